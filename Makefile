@@ -1,0 +1,36 @@
+# `make demo` and `make test` work from a fresh clone: each creates .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-slow bench lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m experiments.format_demo
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -n 2 --durations=15
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) benchmarks/bench_quantize.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,24 @@
+"""lowbit: bit-exact MX / NVFP4 block-scaled quantization and low-bit training for JAX.
+
+>>> import jax.numpy as jnp, lowbit as lb
+>>> lb.formats.get("mxfp4").bits_per_element
+4.25
+"""
+
+from lowbit import formats, numerics
+from lowbit.formats import BlockFormat, ElementFormat, ScaleFormat
+from lowbit.qarray import QArray, dequantize, fake_quantize, quantize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "formats",
+    "numerics",
+    "BlockFormat",
+    "ElementFormat",
+    "ScaleFormat",
+    "QArray",
+    "quantize",
+    "dequantize",
+    "fake_quantize",
+]
