@@ -1,4 +1,5 @@
-"""Test configuration: strict rank promotion, a small hypothesis profile for CI."""
+"""Test configuration (tests and doctests): 4 fake CPU devices, strict rank promotion, a small
+hypothesis profile for CI."""
 
 import os
 

@@ -5,15 +5,19 @@
 4.25
 """
 
-from lowbit import formats, numerics
+from lowbit import formats, hadamard, numerics, recipes
+from lowbit.dot_general import dot_general, einsum
 from lowbit.formats import BlockFormat, ElementFormat, ScaleFormat
 from lowbit.qarray import QArray, dequantize, fake_quantize, quantize
+from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 
 __version__ = "0.1.0"
 
 __all__ = [
     "formats",
+    "hadamard",
     "numerics",
+    "recipes",
     "BlockFormat",
     "ElementFormat",
     "ScaleFormat",
@@ -21,4 +25,9 @@ __all__ = [
     "quantize",
     "dequantize",
     "fake_quantize",
+    "dot_general",
+    "einsum",
+    "QuantSpec",
+    "GemmSpec",
+    "Recipe",
 ]

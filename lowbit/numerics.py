@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from lowbit.formats import ElementFormat
@@ -65,14 +66,19 @@ def uniform_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     consumer. Quality is tested in tests/test_numerics.py (uniformity, key independence).
     """
     k0, k1 = key_words(key)
+    # Hash both key words into the two per-call constants first, so that keys differing in
+    # one word (jax.random.key(s) is [0, s]) give unrelated streams, not shuffled copies.
+    ka = _fmix32(k1 ^ _fmix32(k0 + jnp.uint32(0x7F4A7C15)))
+    kb = _fmix32(ka ^ jnp.uint32(0x2545F491))
     n = 1
     for d in shape:
         n *= d
     if n >= 2**32:
         raise ValueError(f"stochastic rounding supports fewer than 2**32 elements, got {n}")
     idx = lax.iota(jnp.uint32, n).reshape(shape) if shape else jnp.uint32(0)
-    h = _fmix32(idx * jnp.uint32(0x9E3779B9) + k0)
-    return _fmix32(h ^ k1)
+    # (idx ^ ka) * odd + kb is a bijection of the index for each key, and fmix32 is a
+    # bijection with full avalanche: one round per element is enough for rounding decisions.
+    return _fmix32((idx ^ ka) * jnp.uint32(0x9E3779B9) + kb)
 
 
 def round_to_grid(
@@ -85,17 +91,34 @@ def round_to_grid(
 
     Nearest-even when ``rbits`` is None; otherwise stochastic rounding driven by the uint32
     random bits ``rbits`` (same shape): round up with probability equal to the distance from
-    the lower neighbour in grid steps, so ``E[round(v)] = v``. Subnormals are kept. The grid
-    step at ``|v|`` is ``2**(max(floor(log2|v|), emin) - mbits)``, a power of two, so
-    ``|v| / step`` is exact and rounding it to an integer is the whole job.
+    the lower neighbour in grid steps, so ``E[round(v)] = v``. Subnormals are kept.
+
+    Above the element's smallest normal ``2**emin`` the grid is float32 with ``mbits``
+    mantissa bits, so rounding is integer arithmetic on the float32 bit pattern (add half an
+    ulp minus one plus the kept LSB, or a random integer below one ulp; then truncate).
+    Below it the grid step is ``q = 2**(emin - mbits)`` and ``|v| / q`` is exact: nearest-even
+    is ``round(|v| / q) * q``, stochastic ``floor(|v|/q + u)`` computed exactly as
+    ``floor + (u < frac)``. (The classic ``(|v| + C) - C`` trick is not used: XLA simplifies
+    it away under jit.)
     """
     a = jnp.abs(v)
-    e = jnp.maximum(exponent(a), elem.emin) - elem.mbits
-    y = a * pow2(-e)  # exact: |v| in grid steps
+    shift = _MANT - elem.mbits
+    bits = lax.bitcast_convert_type(a, jnp.uint32)
+    low = jnp.uint32((1 << shift) - 1)
     if rbits is None:
-        r = jnp.round(y)  # round half to even
+        bits = bits + (jnp.uint32((1 << (shift - 1)) - 1) + ((bits >> shift) & 1))
+    else:
+        bits = bits + (rbits >> (32 - shift))
+    normal = lax.bitcast_convert_type(bits & ~low, jnp.float32)
+    q = 2.0 ** (elem.emin - elem.mbits)
+    y = a * np.float32(1.0 / q)  # exact: |v| in grid steps
+    if rbits is None:
+        sub = jnp.round(y) * np.float32(q)  # half to even
     else:
         fl = jnp.floor(y)
-        u = (rbits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
-        r = fl + (u < (y - fl)).astype(jnp.float32)
-    return jnp.copysign(r * pow2(e), v)
+        u = (rbits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
+        sub = (fl + (u < (y - fl)).astype(jnp.float32)) * np.float32(q)
+    r = jnp.where(a < np.float32(elem.min_normal), sub, normal)
+    if elem.is_int:  # two's complement has no -0: a negative value that rounds to 0 is +0
+        return jnp.where(r == 0, np.float32(0), jnp.copysign(r, v))
+    return jnp.copysign(r, v)

@@ -382,14 +382,6 @@ def _mx_scale_exponent(amax: jax.Array, elem: ElementFormat, mode: str) -> jax.A
     return jnp.clip(e, -127, 127)
 
 
-def _scaled_pow2(v: jax.Array, e: jax.Array) -> jax.Array:
-    """``v * 2**e`` exactly for int32 ``e`` in [-254, 254] (two power-of-two factors, so
-    neither factor is a float32 subnormal that the CPU would flush to zero)."""
-    e1 = jnp.clip(e, -126, 127)
-    v = v * pow2(e1)
-    return v * pow2(e - e1)
-
-
 @dataclasses.dataclass
 class _Quantized:
     """Elements on the grid (float32, pre-scale) and per-block scale data, blocked layout."""
@@ -402,39 +394,69 @@ class _Quantized:
     tensor_scale: jax.Array | None = None
 
 
-def _amax(xb: jax.Array, plan: _Plan) -> jax.Array:
-    return jnp.max(jnp.abs(xb), axis=plan.block_axes, keepdims=True)
+_INF_BITS = 0x7F800000
+
+
+def _amax_bits(xb: jax.Array, plan: _Plan, finite_only: bool = False) -> jax.Array:
+    """Block max of ``|x|`` as int32 bit patterns (keepdims).
+
+    For non-negative floats the integer order is the float order, with +Inf above every
+    finite value and NaN above +Inf, so an integer max propagates NaN and Inf reliably
+    (XLA's CPU float max reduction can drop NaN). With ``finite_only``, NaN and Inf count
+    as zero (for NVFP4's tensor amax, which ignores non-finite values).
+    """
+    bits = lax.bitcast_convert_type(xb, jnp.int32) & 0x7FFFFFFF
+    if finite_only:
+        bits = jnp.where(bits < _INF_BITS, bits, 0)
+    return jnp.max(bits, axis=plan.block_axes, keepdims=True)
 
 
 def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Quantized:
     fmt, elem = plan.fmt, plan.fmt.elem
-    amax = _amax(xb, plan)
-    finite = amax <= np.float32(np.finfo(np.float32).max)  # False for NaN and Inf
+    amax_bits = _amax_bits(xb, plan)
+    amax = lax.bitcast_convert_type(amax_bits, jnp.float32)
+    finite = amax_bits < _INF_BITS  # False for blocks holding NaN or Inf
     rbits = uniform_bits(key, xb.shape) if plan.stochastic else None
 
     if fmt.is_mx:
         e = _mx_scale_exponent(amax, elem, plan.scale_mode)
-        v = _scaled_pow2(xb, -e)
+        code = jnp.where(finite, (e + 127).astype(jnp.uint8), jnp.uint8(E8M0_NAN))
+        # Per-block multipliers, computed once per block (the barrier keeps XLA from
+        # recomputing them for every element): x * 2**-e and q * 2**e, each as two exact
+        # power-of-two factors so no factor is a float32 subnormal (2**-127 flushes to zero
+        # on CPU). A non-finite block gets a NaN factor and dequantizes to NaN.
+        d_hi = jnp.clip(-e, -126, 127)
+        s_hi = jnp.clip(e, -126, 127)
+        nan = np.float32(np.nan)
+        inv_hi, inv_lo = pow2(d_hi), pow2(-e - d_hi)
+        mul_hi = jnp.where(finite, pow2(s_hi), nan)
+        mul_lo = pow2(e - s_hi)
+        inv_hi, inv_lo, mul_hi, mul_lo = lax.optimization_barrier((inv_hi, inv_lo, mul_hi, mul_lo))
+        v = xb * inv_hi
+        if elem.emax == 0:  # only MX INT8 can need 2**-e == 2**-127 (amax >= 2**127)
+            v = v * inv_lo
         clipped = jnp.abs(v) > elem.max if want_clip else None
         v = jnp.clip(v, -elem.max, elem.max)
         q = round_to_grid(v, elem, rbits=rbits)
-        code = jnp.where(finite, (e + 127).astype(jnp.uint8), jnp.uint8(E8M0_NAN))
 
-        def mul(elems, e=e, finite=finite):
-            return jnp.where(finite, _scaled_pow2(elems, e), np.float32(np.nan))
+        def mul(elems, hi=mul_hi, lo=mul_lo):
+            return (elems * hi) * lo
 
         return _Quantized(q, code, mul, finite, clipped)
 
     # NVFP4: a float32 tensor scale and unsigned-E4M3 block scales.
     if tensor_amax is None:
-        tamax = jnp.max(jnp.where(finite, amax, 0.0))
+        tamax = lax.bitcast_convert_type(
+            jnp.max(_amax_bits(xb, plan, finite_only=True)), jnp.float32
+        )
     else:
         tamax = jnp.asarray(tensor_amax, jnp.float32)
-    t = tamax / np.float32(NVFP4_TENSOR_DIVISOR)
-    s_raw = jnp.minimum(amax / np.float32(elem.max) / t, np.float32(E4M3.max))
+    t = _ieee_div(tamax, np.float32(NVFP4_TENSOR_DIVISOR))
+    s_raw = jnp.minimum(_ieee_div(_ieee_div(amax, np.float32(elem.max)), t),
+                        np.float32(E4M3.max))
     s = round_to_grid(jnp.where(t > 0, s_raw, 0.0), E4M3)
     st = s * t
-    v = xb / jnp.where(st > 0, st, np.float32(1.0))
+    v = _ieee_div(xb, jnp.where(st > 0, st, np.float32(1.0)))
     clipped = jnp.abs(v) > elem.max if want_clip else None
     v = jnp.where(st > 0, jnp.clip(v, -elem.max, elem.max), 0.0)
     q = round_to_grid(v, elem, rbits=rbits)
@@ -445,6 +467,18 @@ def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Qua
         return (elems * s) * t
 
     return _Quantized(q, code, mul, finite, clipped, tensor_scale=t)
+
+
+def _ieee_div(a: jax.Array, b) -> jax.Array:
+    """``a / b`` correctly rounded, for a ``b`` that broadcasts against ``a``.
+
+    XLA rewrites a division whose divisor is a broadcast (a constant, a scalar, a per-block
+    value) into a multiplication by the rounded reciprocal, which is 1 ulp off for about
+    a third of inputs, and differently with and without jit or vmap. Adding ``a * 0`` makes
+    the divisor an elementwise value of ``a``'s shape, which XLA divides exactly. (NaN or
+    Inf in ``a`` makes the quotient NaN, which only happens in blocks that are NaN anyway.)
+    """
+    return a / (b + a * np.float32(0))
 
 
 def _squeeze_blocks(a: jax.Array, plan: _Plan) -> jax.Array:
@@ -519,8 +553,9 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
     scales = jnp.expand_dims(q.scales, plan.block_axes)
     if fmt.is_mx:
         e = scales.astype(jnp.int32) - 127
-        y = _scaled_pow2(elems, e)
-        y = jnp.where(scales == E8M0_NAN, np.float32(np.nan), y)
+        s_hi = jnp.clip(e, -126, 127)
+        hi = jnp.where(scales == E8M0_NAN, np.float32(np.nan), pow2(s_hi))
+        y = (elems * hi) * pow2(e - s_hi)
     else:
         s = decode_elements(scales, E4M3)
         y = (elems * s) * q.tensor_scale

@@ -1,0 +1,297 @@
+"""Speed of ``lb.fake_quantize`` per format, against a memory-bound baseline and against qwix.
+
+    .venv/bin/python benchmarks/bench_quantize.py                 # 4096x4096 float32, 10 rounds
+    .venv/bin/python benchmarks/bench_quantize.py --quick         # tiny smoke run
+    .venv/bin/python benchmarks/bench_quantize.py --formats mxfp4,nvfp4 --runs 20
+
+For every registered format and both roundings (``nearest``; ``stochastic`` with a key passed as
+an argument) this times jitted ``lb.fake_quantize(x, fmt)`` along the last axis of a square
+float32 array, and divides its median by that of a jitted ``x * 2 + 1`` on the same array (one
+read and one write of ``x``: the least any out-of-place fake quantizer can cost). Side by side,
+when qwix is installed (an optional, benchmark-only dependency), it times qwix's
+``dequantize(quantize(x, qtype, tiled_axes={last: block}))`` for the formats qwix has (mxfp4,
+mxfp8 = E4M3 elements, nvfp4) with the same blocks (32 for MX, 16 for NVFP4), and reports
+lowbit / qwix. All candidates run in one process, interleaved round-robin (``common.py``).
+
+The two libraries do comparable but not identical work: qwix picks MX scales as
+2**ceil(log2(amax / elem_max)) (lowbit's default is OCP's floor rule) and gives NVFP4 no per-tensor
+scale, and it has no stochastic rounding for float formats (its noise function applies only to
+integer qtypes), so stochastic rows have no qwix time. The bounds the project holds itself to,
+reported in the table: MXFP4 and MXFP8 (both element types) nearest <= 1.3x the baseline; NVFP4
+and every stochastic row <= 1.6x; and faster than qwix on each format qwix has. Formats without a
+stated bound (MXFP6, MXINT8 nearest) show ``-``.
+
+Results go to ``--out`` (default ``benchmarks/results/bench_quantize.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import lowbit as lb
+
+try:  # imported as benchmarks.bench_quantize (tests, python -m)
+    from benchmarks import common
+except ImportError:  # run as a script: benchmarks/ is on sys.path
+    import common
+
+ROUNDINGS = ("nearest", "stochastic")
+BASELINE = "baseline"
+DEFAULT_OUT = common.RESULTS_DIR / "bench_quantize.json"
+QUICK_SIZE = 128
+QUICK_RUNS = 2
+
+# Format -> the qtype qwix calls it (qwix's "mxfp8" has E4M3 elements).
+QWIX_QTYPES = {"mxfp4": "mxfp4", "mxfp8_e4m3": "mxfp8", "nvfp4": "nvfp4"}
+
+
+def bound(fmt: str, rounding: str) -> float | None:
+    """The most a format may cost, in multiples of the ``x * 2 + 1`` baseline (None: no bound)."""
+    if rounding == "stochastic" or fmt == "nvfp4":
+        return 1.6
+    if fmt in ("mxfp4", "mxfp8_e4m3", "mxfp8_e5m2"):
+        return 1.3
+    return None
+
+
+def load_qwix() -> tuple[Any | None, str | None]:
+    """``(qwix module, None)``, or ``(None, why not)`` when it cannot be imported."""
+    try:
+        import qwix
+    except Exception as e:  # ImportError, or a broken install of an optional dependency
+        return None, f"{type(e).__name__}: {e}"
+    return qwix, None
+
+
+def _lowbit_fn(fmt: str, rounding: str) -> Callable[..., jax.Array]:
+    if rounding == "stochastic":
+        return jax.jit(lambda x, key: lb.fake_quantize(x, fmt, rounding="stochastic", key=key))
+    return jax.jit(lambda x: lb.fake_quantize(x, fmt))
+
+
+def _qwix_fn(qwix: Any, qtype: str, block: int) -> Callable[[jax.Array], jax.Array]:
+    def fake_quantize(x: jax.Array) -> jax.Array:
+        return qwix.dequantize(qwix.quantize(x, qtype, tiled_axes={x.ndim - 1: block}))
+
+    return jax.jit(fake_quantize)
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--size",
+        type=int,
+        default=None,
+        help=f"side of the square float32 input (default 4096; {QUICK_SIZE} with --quick)",
+    )
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help=f"timed rounds per candidate (default 10; {QUICK_RUNS} with --quick)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed calls per candidate before timing (default 2; 1 with --quick)",
+    )
+    p.add_argument(
+        "--formats",
+        default=None,
+        help="comma-separated format names or aliases (default: all registered)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {QUICK_SIZE}x{QUICK_SIZE}, {QUICK_RUNS} rounds",
+    )
+    p.add_argument("--no-qwix", action="store_true", help="skip the qwix comparison")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
+    args = p.parse_args(argv)
+    args.size = args.size or (QUICK_SIZE if args.quick else 4096)
+    args.runs = args.runs or (QUICK_RUNS if args.quick else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    if args.size < 1 or args.runs < 1:
+        p.error(f"--size and --runs must be positive, got {args.size} and {args.runs}")
+    if args.formats:
+        try:
+            names = [lb.formats.get(n.strip()).name for n in args.formats.split(",") if n.strip()]
+        except ValueError as e:
+            p.error(str(e))
+        args.formats = list(dict.fromkeys(names))  # aliases resolved, duplicates dropped
+    else:
+        args.formats = lb.formats.names()
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the table, write the JSON; returns what was written."""
+    args = parse_args(argv)
+    n = args.size
+    x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    key = jax.random.key(1)
+    jax.block_until_ready(x)
+
+    candidates: dict[str, Callable[[], Any]] = {}
+    base = jax.jit(lambda x: x * 2 + 1)
+    candidates[BASELINE] = lambda: base(x)
+    for fmt in args.formats:
+        for rounding in ROUNDINGS:
+            fn = _lowbit_fn(fmt, rounding)
+            if rounding == "stochastic":
+                candidates[f"lowbit/{fmt}/{rounding}"] = lambda fn=fn: fn(x, key)
+            else:
+                candidates[f"lowbit/{fmt}/{rounding}"] = lambda fn=fn: fn(x)
+
+    # qwix: optional; a missing package, format or a failure becomes a status, not a crash.
+    qwix, qwix_missing = (None, "disabled (--no-qwix)") if args.no_qwix else load_qwix()
+    qwix_status: dict[str, str] = {}
+    for fmt in args.formats:
+        qtype = QWIX_QTYPES.get(fmt)
+        if qwix is None:
+            qwix_status[fmt] = "not installed" if not args.no_qwix else "skipped"
+        elif qtype is None:
+            qwix_status[fmt] = "no such format"
+        else:
+            fn = _qwix_fn(qwix, qtype, lb.formats.get(fmt).block_size)
+            try:  # compiles; an unsupported qtype or tiling fails here
+                y = jax.block_until_ready(fn(x))
+                if y.shape != x.shape:
+                    raise ValueError(f"returned shape {y.shape}, expected {x.shape}")
+            except Exception as e:
+                qwix_status[fmt] = f"failed: {_error(e)}"
+                continue
+            qwix_status[fmt] = "ok"
+            candidates[f"qwix/{fmt}"] = lambda fn=fn: fn(x)
+
+    print(
+        f"bench_quantize: {n}x{n} float32, {len(candidates)} candidates, {args.runs} rounds "
+        f"interleaved, {args.warmup} warm-up calls each",
+        file=sys.stderr,
+    )
+    env = common.environment()
+    timings = common.time_interleaved(candidates, runs=args.runs, warmup=args.warmup)
+    env["loadavg_after"] = common.environment()["loadavg"]
+    t_base = timings[BASELINE]
+
+    rows = []
+    for fmt in args.formats:
+        for rounding in ROUNDINGS:
+            t = timings[f"lowbit/{fmt}/{rounding}"]
+            ratio = t.median_s / t_base.median_s
+            limit = bound(fmt, rounding)
+            t_qwix = timings.get(f"qwix/{fmt}") if rounding == "nearest" else None
+            if rounding == "stochastic" and qwix_status[fmt] == "ok":
+                status = "no stochastic rounding"
+            else:
+                status = qwix_status[fmt]
+            vs_qwix = t.median_s / t_qwix.median_s if t_qwix is not None else None
+            checks = []
+            if limit is not None:
+                checks.append(ratio <= limit)
+            if vs_qwix is not None:
+                checks.append(vs_qwix < 1.0)
+            rows.append(
+                {
+                    "format": fmt,
+                    "rounding": rounding,
+                    "ms": t.median_ms,
+                    "x_baseline": ratio,
+                    # Fastest over fastest: a cross-check on a loaded machine, not the verdict.
+                    "x_baseline_min": min(t.samples_s) / min(t_base.samples_s),
+                    "bound": limit,
+                    "within_bound": None if limit is None else ratio <= limit,
+                    "qwix_qtype": QWIX_QTYPES.get(fmt),
+                    "qwix_status": status,
+                    "qwix_ms": t_qwix.median_ms if t_qwix is not None else None,
+                    "lowbit_over_qwix": vs_qwix,
+                    "lowbit_over_qwix_min": (
+                        None if t_qwix is None else min(t.samples_s) / min(t_qwix.samples_s)
+                    ),
+                    "faster_than_qwix": None if vs_qwix is None else vs_qwix < 1.0,
+                    "pass": all(checks) if checks else None,
+                    "spread": t.spread,
+                    "samples_ms": [1e3 * s for s in t.samples_s],
+                    "qwix_samples_ms": None
+                    if t_qwix is None
+                    else [1e3 * s for s in t_qwix.samples_s],
+                }
+            )
+
+    _print_table(rows, t_base, args)
+    checked = [r["pass"] for r in rows if r["pass"] is not None]
+    payload = {
+        "benchmark": "bench_quantize",
+        "config": {
+            "shape": [n, n],
+            "dtype": "float32",
+            "axis": -1,
+            "runs": args.runs,
+            "warmup": args.warmup,
+            "quick": args.quick,
+            "formats": args.formats,
+        },
+        "environment": env,
+        "baseline": {"op": "x * 2 + 1", **t_base.to_json()},
+        "qwix": {
+            "available": qwix is not None,
+            "version": getattr(qwix, "__version__", None),
+            "error": qwix_missing,
+            "status": qwix_status,
+        },
+        "rows": rows,
+        "all_pass": all(checked) if checked else None,
+    }
+    path = common.write_json(args.out, payload)
+    print(f"wrote {path}", file=sys.stderr)
+    return payload
+
+
+def _print_table(rows: list[dict[str, Any]], t_base: common.Timing, args) -> None:
+    shown = []
+    for r in rows:
+        status = r["qwix_status"]
+        shown.append(
+            {
+                **r,
+                "spread": None if r["spread"] is None else 100 * r["spread"],
+                # qwix's time, or why there is none (a long error is in the JSON in full).
+                "qwix_ms": r["qwix_ms"] if r["qwix_ms"] is not None else status[:40],
+                "pass": {True: "pass", False: "FAIL", None: "-"}[r["pass"]],
+            }
+        )
+    columns = [
+        ("format", "format"),
+        ("rounding", "rounding"),
+        ("ms", "ms"),
+        ("spread", "iqr", "{:.0f}%"),
+        ("x_baseline", "x baseline", "{:.2f}x"),
+        ("x_baseline_min", "(of mins)", "{:.2f}x"),
+        ("bound", "bound", "<={:.1f}x"),
+        ("qwix_ms", "qwix ms"),
+        ("lowbit_over_qwix", "lowbit/qwix"),
+        ("lowbit_over_qwix_min", "(of mins)"),
+        ("pass", "pass"),
+    ]
+    print(
+        f"fake_quantize, {args.size}x{args.size} float32, axis -1: median of {args.runs} "
+        f"interleaved rounds; baseline x * 2 + 1 = {t_base.median_ms:.2f} ms"
+        + ("" if t_base.spread is None else f" (iqr {100 * t_base.spread:.0f}%)")
+    )
+    print(common.format_table(shown, columns))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,463 @@
+"""Quantized ``dot_general`` with a custom VJP: forward and both backward GEMMs per recipe.
+
+Emulation: every operand is quantized along its GEMM's contraction axis (block-scaled,
+dequantized to float32), then multiplied by ``lax.dot_general`` with float32 accumulation:
+numerically what a block-scaled GEMM computes. The quantizer's input passes through
+``lax.optimization_barrier`` so that XLA does not recompute the producer of an operand (a GELU,
+a layer-norm backward) inside each quantizer that reads it.
+
+>>> import jax, jax.numpy as jnp, lowbit as lb
+>>> x = jax.random.normal(jax.random.key(0), (8, 64))
+>>> w = jax.random.normal(jax.random.key(1), (64, 16))
+>>> y = lb.dot_general(x, w, (((1,), (0,)), ((), ())), recipe="mxfp8")
+>>> y.shape, float(jnp.linalg.norm(y - x @ w) / jnp.linalg.norm(x @ w)) < 0.06
+((8, 16), True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import string
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from lowbit import hadamard as _hadamard
+from lowbit import qarray as _qa
+from lowbit import recipes as _recipes
+from lowbit.formats import E4M3, E5M2
+from lowbit.numerics import round_to_grid, uniform_bits
+from lowbit.recipes import GemmSpec, QuantSpec, Recipe
+
+__all__ = ["dot_general", "einsum", "quantize_operand", "unpack_operand"]
+
+_TENSOR_ELEMS = {"e4m3": E4M3, "e5m2": E5M2}
+_TENSOR_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+# fold_in tags: one stream per (GEMM, operand) for rounding and one per GEMM for signs.
+_FWD, _DLHS, _DRHS = 0, 1, 2
+
+
+def _fold(key, *tags):
+    if key is None:
+        return None
+    k = jax.random.wrap_key_data(key)
+    for t in tags:
+        k = jax.random.fold_in(k, t)
+    return jax.random.key_data(k)
+
+
+# --------------------------------------------------------------------------------------------
+# One operand
+
+
+def _tensor_quantize(x, spec: QuantSpec, key):
+    """Per-tensor scaled FP8 (current scaling, as in Transformer Engine): ``s = elem_max /
+    amax``, elements ``round(clip(x * s))``, values ``elements * (1 / s)``. Returns the
+    elements and the dequantization factor ``1 / s`` (float32 scalar)."""
+    elem = _TENSOR_ELEMS[spec.format]
+    amax = jnp.max(jnp.abs(x))
+    s = jnp.where(amax > 0, np.float32(elem.max) / amax, np.float32(1.0))
+    v = jnp.clip(x * s, -elem.max, elem.max)
+    rbits = uniform_bits(key, x.shape) if spec.stochastic else None
+    return round_to_grid(v, elem, rbits=rbits), np.float32(1.0) / s
+
+
+def quantize_operand(
+    x: jax.Array,
+    spec: QuantSpec | None,
+    axis: int,
+    other_axis: int | None,
+    key: jax.Array | None,
+    *,
+    packed: bool = False,
+):
+    """Fake-quantize (float32 out) one GEMM operand along ``axis`` per ``spec``.
+
+    ``other_axis`` is the operand's free axis that a 2-D tile spans together with ``axis``.
+    ``key`` (uint32[2] key data) drives stochastic rounding. None spec: ``x`` as float32.
+    With ``packed=True`` the result is the packed form (a QArray, or FP8 codes and a float32
+    scale) that :func:`unpack_operand` turns into the same float32 values.
+    """
+    x = x.astype(jnp.float32)
+    if spec is None:
+        return x
+    if spec.stochastic and key is None:
+        raise ValueError(
+            f"the recipe rounds an operand stochastically ({spec.format}): pass key= to "
+            "lowbit.dot_general (or a 'quant' rng stream in Flax)"
+        )
+    if spec.clip_rms is not None:
+        rms = jnp.sqrt(jnp.mean(jnp.square(x), axis=axis, keepdims=True))
+        bound = np.float32(spec.clip_rms) * rms
+        x = jnp.clip(x, -bound, bound)
+    if spec.prescale != 1.0:
+        x = x * np.float32(spec.prescale)
+    rounding_key = key if spec.stochastic else None
+    if spec.granularity == "tensor":
+        v, scale = _tensor_quantize(x, spec, rounding_key)
+        if packed:
+            return v.astype(_TENSOR_DTYPES[spec.format]), scale
+        y = v * scale
+    else:
+        if spec.block_shape is not None and len(spec.block_shape) == 2:
+            if other_axis is None:
+                raise ValueError(
+                    f"a 2-D tile {spec.block_shape} needs the operand to have a free axis"
+                )
+            axes: int | tuple[int, int] = (axis, other_axis)
+        else:
+            axes = axis
+        kw = dict(scale_mode=spec.scale_mode, rounding=spec.rounding, key=rounding_key,
+                  block_shape=spec.block_shape)
+        if packed:
+            return _qa.quantize(x, spec.format, axes, **kw)
+        plan = _qa._make_plan(x.shape, spec.format, axes, spec.block_shape, spec.scale_mode,
+                              spec.rounding, rounding_key, None)
+        y = _qa._fake_quantize_impl(x, rounding_key, None, plan, False)[0]
+    if spec.prescale != 1.0:
+        y = y / np.float32(spec.prescale)
+    return y
+
+
+def unpack_operand(packed, spec: QuantSpec | None) -> jax.Array:
+    """float32 values of :func:`quantize_operand`'s packed form (bit-identical)."""
+    if spec is None:
+        return packed
+    if spec.granularity == "tensor":
+        v, scale = packed
+        y = v.astype(jnp.float32) * scale
+    else:
+        y = _qa.dequantize(packed, jnp.float32)
+    if spec.prescale != 1.0:
+        y = y / np.float32(spec.prescale)
+    return y
+
+
+def _hadamard_along(x, axis: int, block: int, signs):
+    x = jnp.moveaxis(x, axis, -1)
+    if x.shape[-1] % block:
+        raise ValueError(
+            f"a Hadamard transform of block {block} along an axis of length {x.shape[-1]}: "
+            f"the length must be a multiple of {block}"
+        )
+    y = _hadamard.hadamard_transform(x, block, signs=signs)
+    return jnp.moveaxis(y, -1, axis)
+
+
+def _signs(gemm: GemmSpec, key, tag):
+    if not gemm.hadamard or not gemm.random_signs:
+        return None
+    k = _fold(key, 1000 + tag) if key is not None else jax.random.key_data(jax.random.key(0))
+    return _hadamard.random_signs(jax.random.wrap_key_data(k), gemm.hadamard)
+
+
+# --------------------------------------------------------------------------------------------
+# Axis bookkeeping
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    """Axes of a ``dot_general`` and of its output, by role."""
+
+    lhs_contract: tuple[int, ...]
+    rhs_contract: tuple[int, ...]
+    lhs_batch: tuple[int, ...]
+    rhs_batch: tuple[int, ...]
+    lhs_free: tuple[int, ...]
+    rhs_free: tuple[int, ...]
+
+    @classmethod
+    def of(cls, dn, lhs_ndim: int, rhs_ndim: int) -> _Dims:
+        (lc, rc), (lb, rb) = dn
+        lc, rc, lb, rb = (tuple(int(a) for a in t) for t in (lc, rc, lb, rb))
+        lf = tuple(i for i in range(lhs_ndim) if i not in lc and i not in lb)
+        rf = tuple(i for i in range(rhs_ndim) if i not in rc and i not in rb)
+        return cls(lc, rc, lb, rb, lf, rf)
+
+    # Output layout of lax.dot_general: batch, lhs free, rhs free.
+    @property
+    def out_lhs_free(self) -> tuple[int, ...]:
+        b = len(self.lhs_batch)
+        return tuple(range(b, b + len(self.lhs_free)))
+
+    @property
+    def out_rhs_free(self) -> tuple[int, ...]:
+        b = len(self.lhs_batch) + len(self.lhs_free)
+        return tuple(range(b, b + len(self.rhs_free)))
+
+
+def _last(t: Sequence[int]) -> int | None:
+    return t[-1] if t else None
+
+
+def _normalize_dn(dn, lhs_ndim, rhs_ndim):
+    (lc, rc), (lb, rb) = dn
+
+    def norm(axes, nd, name):
+        out = []
+        for a in axes:
+            a = int(a)
+            if not -nd <= a < nd:
+                raise ValueError(f"dimension_numbers: {name} axis {a} out of range for rank {nd}")
+            out.append(a % nd)
+        return tuple(out)
+
+    return (
+        (norm(lc, lhs_ndim, "lhs contracting"), norm(rc, rhs_ndim, "rhs contracting")),
+        (norm(lb, lhs_ndim, "lhs batch"), norm(rb, rhs_ndim, "rhs batch")),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The three GEMMs
+
+
+def _prepare(x, spec, gemm: GemmSpec, axis, other_axis, key, signs, barrier: bool,
+             packed: bool = False):
+    """Hadamard (along ``axis``) then fake-quantize; float32 (or packed, see
+    :func:`quantize_operand`)."""
+    x = x.astype(jnp.float32)
+    if barrier and (spec is not None or gemm.hadamard):
+        x = lax.optimization_barrier(x)
+    if gemm.hadamard and axis is not None:
+        x = _hadamard_along(x, axis, gemm.hadamard, signs)
+    if axis is None:  # nothing is contracted: no block axis, keep the operand as it is
+        return x
+    return quantize_operand(x, spec, axis, other_axis, key, packed=packed)
+
+
+def _fwd_operands(lhs, rhs, dims: _Dims, recipe: Recipe, key):
+    g = recipe.fwd
+    signs = _signs(g, key, _FWD)
+    lk, rk = (_fold(key, _FWD, i) if key is not None else None for i in (0, 1))
+    lq = _prepare(lhs, g.lhs, g, _last(dims.lhs_contract), _last(dims.lhs_free), lk, signs, True)
+    rq = _prepare(rhs, g.rhs, g, _last(dims.rhs_contract), _last(dims.rhs_free), rk, signs, True)
+    return lq, rq, signs
+
+
+def _effective(xq, gemm: GemmSpec, axis, signs):
+    """A forward operand in the original basis (undo the forward Hadamard)."""
+    if not gemm.hadamard or axis is None:
+        return xq
+    x = jnp.moveaxis(xq, axis, -1)
+    y = _hadamard.hadamard_transform(x, gemm.hadamard, signs=signs, inverse=True)
+    return jnp.moveaxis(y, -1, axis)
+
+
+def _dot(a, b, dn):
+    return lax.dot_general(a, b, dn, precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+
+
+def _transpose_lhs(dy, rhs_op, dn, lhs_shape):
+    f = functools.partial(lambda a, b: _dot(a, b, dn), b=rhs_op)
+    return jax.linear_transpose(f, jax.ShapeDtypeStruct(lhs_shape, jnp.float32))(dy)[0]
+
+
+def _transpose_rhs(dy, lhs_op, dn, rhs_shape):
+    f = functools.partial(lambda a, b: _dot(a, b, dn), lhs_op)
+    return jax.linear_transpose(f, jax.ShapeDtypeStruct(rhs_shape, jnp.float32))(dy)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Static arguments of the custom VJP."""
+
+    dn: tuple
+    recipe: Recipe
+    out_dtype: np.dtype
+    lhs_shape: tuple[int, ...]
+    lhs_dtype: np.dtype
+    rhs_shape: tuple[int, ...]
+    rhs_dtype: np.dtype
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _qdot(lhs, rhs, key, st: _Static):
+    dims = _Dims.of(st.dn, lhs.ndim, rhs.ndim)
+    lq, rq, _ = _fwd_operands(lhs, rhs, dims, st.recipe, key)
+    return _dot(lq, rq, st.dn).astype(st.out_dtype)
+
+
+def _qdot_fwd(lhs, rhs, key, st: _Static):
+    recipe = st.recipe
+    dims = _Dims.of(st.dn, lhs.ndim, rhs.ndim)
+    lq, rq, signs = _fwd_operands(lhs, rhs, dims, recipe, key)
+    y = _dot(lq, rq, st.dn).astype(st.out_dtype)
+    if recipe.residuals == "quantized":
+        # Quantize now what the backward GEMMs need and save it packed.
+        w_dl, x_dr, _, _ = _bwd_static_operands(
+            lhs, rhs, lq, rq, signs, dims, recipe, key, packed=True
+        )
+        return y, ((w_dl, x_dr), None, None, key)
+    return y, (None, lhs, rhs, key)
+
+
+def _bwd_static_operands(lhs, rhs, lq, rq, fwd_signs, dims: _Dims, recipe: Recipe, key,
+                         packed: bool = False):
+    """The rhs of dgrad and the lhs of wgrad (they do not depend on dy); with ``packed``,
+    the quantized ones in packed form (see :func:`quantize_operand`)."""
+    dl, dr = recipe.dlhs, recipe.drhs
+    s_dl, s_dr = _signs(dl, key, _DLHS), _signs(dr, key, _DRHS)
+    r_axis, r_other = _last(dims.rhs_free), _last(dims.rhs_contract)
+    l_axis, l_other = _last(dims.lhs_free), _last(dims.lhs_contract)
+    if dl.rhs is None:  # straight-through: the forward's operand, original basis
+        w = _effective(rq, recipe.fwd, _last(dims.rhs_contract), fwd_signs)
+        w_dl = _prepare(w, None, dl, r_axis, r_other, None, s_dl, False)
+    else:
+        w_dl = _prepare(rhs, dl.rhs, dl, r_axis, r_other, _fold(key, _DLHS, 1), s_dl, True,
+                        packed)
+    if dr.lhs is None:
+        x = _effective(lq, recipe.fwd, _last(dims.lhs_contract), fwd_signs)
+        x_dr = _prepare(x, None, dr, l_axis, l_other, None, s_dr, False)
+    else:
+        x_dr = _prepare(lhs, dr.lhs, dr, l_axis, l_other, _fold(key, _DRHS, 0), s_dr, True,
+                        packed)
+    return w_dl, x_dr, s_dl, s_dr
+
+
+def _qdot_bwd(st: _Static, res, dy):
+    saved, lhs, rhs, key = res
+    recipe, dn = st.recipe, st.dn
+    dims = _Dims.of(dn, len(st.lhs_shape), len(st.rhs_shape))
+    if saved is None:
+        lq, rq, signs = _fwd_operands(lhs, rhs, dims, recipe, key)
+        w_dl, x_dr, s_dl, s_dr = _bwd_static_operands(
+            lhs, rhs, lq, rq, signs, dims, recipe, key
+        )
+    else:
+        w_dl = unpack_operand(saved[0], recipe.dlhs.rhs)
+        x_dr = unpack_operand(saved[1], recipe.drhs.lhs)
+        s_dl, s_dr = _signs(recipe.dlhs, key, _DLHS), _signs(recipe.drhs, key, _DRHS)
+    dl, dr = recipe.dlhs, recipe.drhs
+    dy_dl = _prepare(dy, dl.lhs, dl, _last(dims.out_rhs_free), _last(dims.out_lhs_free),
+                     _fold(key, _DLHS, 0), s_dl, True)
+    dy_dr = _prepare(dy, dr.rhs, dr, _last(dims.out_lhs_free), _last(dims.out_rhs_free),
+                     _fold(key, _DRHS, 1), s_dr, True)
+    dlhs = _transpose_lhs(dy_dl, w_dl, dn, st.lhs_shape).astype(st.lhs_dtype)
+    drhs = _transpose_rhs(dy_dr, x_dr, dn, st.rhs_shape).astype(st.rhs_dtype)
+    return dlhs, drhs, None
+
+
+_qdot.defvjp(_qdot_fwd, _qdot_bwd)
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    recipe: str | Recipe | None = "none",
+    key: jax.Array | None = None,
+    preferred_element_type=None,
+    precision=None,
+) -> jax.Array:
+    """``lax.dot_general`` whose forward and backward GEMMs are quantized per ``recipe``.
+
+    Args:
+      lhs, rhs: floating-point operands (typically activations and weights).
+      dimension_numbers: as for ``lax.dot_general``: ``((lhs_contract, rhs_contract),
+        (lhs_batch, rhs_batch))``; any number of contracting and batch dims (blocks run
+        along the last contracting dim of each operand, and in the backward GEMMs along the
+        last free dim).
+      recipe: a name from ``lb.recipes.names()`` or a :class:`~lowbit.recipes.Recipe`.
+      key: PRNG key (stochastic rounding, random Hadamard signs); derive a new one per step.
+      preferred_element_type: output dtype (default: the operands' result type).
+      precision: accepted for signature compatibility with ``lax.dot_general`` (Flax passes
+        it); quantized GEMMs always accumulate in float32.
+
+    >>> import jax, jax.numpy as jnp, lowbit as lb
+    >>> x, w = jnp.ones((4, 32)), jnp.ones((32, 8))
+    >>> lb.dot_general(x, w, (((1,), (0,)), ((), ())), recipe="mxfp4")[0, 0].item()
+    32.0
+    """
+    r = _recipes.get(recipe)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    for name, a in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise TypeError(f"{name} must be floating point, got {a.dtype}")
+    dn = _normalize_dn(dimension_numbers, lhs.ndim, rhs.ndim)
+    out_dtype = jnp.dtype(
+        preferred_element_type
+        if preferred_element_type is not None
+        else jnp.result_type(lhs.dtype, rhs.dtype)
+    )
+    if r.is_identity:
+        return lax.dot_general(
+            lhs, rhs, dn, precision=precision, preferred_element_type=preferred_element_type
+        )
+    if key is not None:
+        key = jnp.asarray(key)
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.key_data(key)
+        elif key.dtype != jnp.uint32 or key.shape != (2,):
+            raise TypeError(
+                f"key must be a jax.random.key(...) or a uint32[2] PRNGKey, got "
+                f"{key.dtype}{key.shape}"
+            )
+    elif r.fwd.stochastic:
+        raise ValueError(
+            f"recipe {r.name!r} rounds stochastically in the forward: pass key= "
+            "(a new key per step)"
+        )
+    st = _Static(dn, r, out_dtype, tuple(lhs.shape), lhs.dtype, tuple(rhs.shape), rhs.dtype)
+    return _qdot(lhs, rhs, key, st)
+
+
+def einsum(
+    subscripts: str,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    *,
+    recipe: str | Recipe | None = "none",
+    key: jax.Array | None = None,
+    preferred_element_type=None,
+) -> jax.Array:
+    """Two-operand ``jnp.einsum`` through :func:`dot_general` (quantized per ``recipe``).
+
+    >>> import jax.numpy as jnp, lowbit as lb
+    >>> lb.einsum("btd,df->btf", jnp.ones((2, 3, 32)), jnp.ones((32, 4)), recipe="mxfp8").shape
+    (2, 3, 4)
+    """
+    spec = subscripts.replace(" ", "")
+    if "..." in spec:
+        raise ValueError("lowbit.einsum does not support '...'; name every axis")
+    try:
+        ins, out = spec.split("->")
+        a, b = ins.split(",")
+    except ValueError:
+        raise ValueError(
+            f"subscripts must look like 'ab,bc->ac' with two operands, got {subscripts!r}"
+        ) from None
+    if len(a) != lhs.ndim or len(b) != rhs.ndim:
+        raise ValueError(
+            f"subscripts {subscripts!r} name {len(a)} and {len(b)} axes but the operands have "
+            f"rank {lhs.ndim} and {rhs.ndim}"
+        )
+    for s in (a, b, out):
+        if len(set(s)) != len(s) or not set(s) <= set(string.ascii_letters):
+            raise ValueError(f"subscripts {subscripts!r}: repeated or invalid labels in {s!r}")
+    # Labels only on one side and absent from the output are summed out first.
+    a_only = [c for c in a if c not in b and c not in out]
+    b_only = [c for c in b if c not in a and c not in out]
+    if a_only:
+        lhs = jnp.sum(lhs, axis=tuple(a.index(c) for c in a_only))
+        a = "".join(c for c in a if c not in a_only)
+    if b_only:
+        rhs = jnp.sum(rhs, axis=tuple(b.index(c) for c in b_only))
+        b = "".join(c for c in b if c not in b_only)
+    batch = [c for c in a if c in b and c in out]
+    contract = [c for c in a if c in b and c not in out]
+    dn = (
+        (tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
+        (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)),
+    )
+    y = dot_general(lhs, rhs, dn, recipe=recipe, key=key,
+                    preferred_element_type=preferred_element_type)
+    produced = batch + [c for c in a if c not in b] + [c for c in b if c not in a]
+    if set(produced) != set(out):
+        raise ValueError(f"subscripts {subscripts!r}: output labels do not match the inputs")
+    return jnp.transpose(y, [produced.index(c) for c in out])

@@ -1,0 +1,317 @@
+"""Training recipes: how each operand of the three GEMMs of a linear layer is quantized.
+
+For ``y = x @ w`` with ``x [M, K]`` and ``w [K, N]`` (any ``lax.dot_general`` dimension numbers
+generalise this): ``fwd`` computes ``y`` (contracts K), ``dlhs`` the input gradient
+``dx = dy @ w.T`` (contracts N; operands ``(dy, w)``), ``drhs`` the weight gradient
+``dw = x.T @ dy`` (contracts M; operands ``(x, dy)``). Each GEMM holds one :class:`QuantSpec`
+per operand, quantized along that GEMM's own contraction axis, and an optional Hadamard
+transform along that axis applied to both operands.
+
+An operand spec of ``None`` in a backward GEMM means *straight-through*: the operand enters as
+the forward GEMM saw it (its forward-quantized value, or the high-precision tensor when the
+forward kept it), so a recipe whose backward specs are all None computes exactly the STE
+gradient of its forward. ``dy`` has no forward value: None keeps it in high precision.
+
+Recipes compose: build new ones from QuantSpecs without touching the library.
+
+>>> import lowbit as lb
+>>> r = lb.recipes.get("nvfp4")
+>>> r.fwd.rhs.block_shape, r.drhs.hadamard, r.dlhs.lhs.rounding
+((16, 16), 16, 'stochastic')
+>>> my = lb.recipes.Recipe(
+...     "w4a8", fwd=lb.recipes.GemmSpec(lb.recipes.QuantSpec("mxfp8"),
+...                                     lb.recipes.QuantSpec("mxfp4")))
+>>> my.is_fqt
+False
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lowbit import formats as _formats
+from lowbit.qarray import ROUNDINGS, SCALE_MODES
+
+__all__ = ["QuantSpec", "GemmSpec", "Recipe", "get", "names", "register", "TENSOR_ELEMENTS"]
+
+# Element formats usable with granularity="tensor" (one float32 scale per tensor).
+TENSOR_ELEMENTS = ("e4m3", "e5m2")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """How one GEMM operand is quantized.
+
+    Attributes:
+      format: a block format name (``lb.formats.names()``), or with ``granularity="tensor"``
+        an element format (``"e4m3"``, ``"e5m2"``) with one float32 scale per tensor.
+      rounding: ``"nearest"`` or ``"stochastic"`` (keys come from the dot_general's ``key``).
+      scale_mode: MX scale rule (None: the format's default, ``"floor"``).
+      block_shape: None (1-D blocks along the contraction axis) or a 2-D tile
+        ``(along contraction, along the operand's last free axis)``, e.g. ``(16, 16)``, so one
+        quantized weight serves both the forward and the input-gradient GEMM.
+      granularity: ``"block"`` or ``"tensor"``.
+      prescale: multiply by this before quantizing and divide after (3/4 keeps stochastic
+        rounding of FP4 from clipping: Tseng et al. 2025).
+      clip_rms: clip to +-clip_rms * RMS (over the contraction axis) before quantizing
+        (QuEST / Quartet forward); None: no clipping.
+    """
+
+    format: str
+    rounding: str = "nearest"
+    scale_mode: str | None = None
+    block_shape: tuple[int, ...] | None = None
+    granularity: str = "block"
+    prescale: float = 1.0
+    clip_rms: float | None = None
+
+    def __post_init__(self):
+        if self.granularity == "tensor":
+            if self.format not in TENSOR_ELEMENTS:
+                raise ValueError(
+                    f"granularity='tensor' needs format in {TENSOR_ELEMENTS}, got {self.format!r}"
+                )
+        elif self.granularity == "block":
+            object.__setattr__(self, "format", _formats.get(self.format).name)
+        else:
+            raise ValueError(f"granularity must be 'block' or 'tensor', got {self.granularity!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if self.scale_mode is not None and self.scale_mode not in SCALE_MODES:
+            raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
+        if self.block_shape is not None:
+            object.__setattr__(self, "block_shape", tuple(int(b) for b in self.block_shape))
+        if not self.prescale > 0:
+            raise ValueError(f"prescale must be positive, got {self.prescale}")
+
+    @property
+    def stochastic(self) -> bool:
+        return self.rounding == "stochastic"
+
+    @property
+    def bits_per_element(self) -> float:
+        if self.granularity == "tensor":
+            return 8.0
+        fmt = _formats.get(self.format)
+        if self.block_shape is not None:
+            n = 1
+            for b in self.block_shape:
+                n *= b
+            return fmt.elem.bits + fmt.scale.bits / n
+        return fmt.bits_per_element
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmSpec:
+    """Quantization of one GEMM: a spec per operand and an optional Hadamard transform.
+
+    ``hadamard`` is a block size (16..256) of a Walsh-Hadamard transform applied along the
+    GEMM's contraction axis to both operands before quantization (it cancels in exact
+    arithmetic). ``random_signs``: a random +-1 diagonal drawn from the call's key first
+    (a fixed key when the call has none).
+    """
+
+    lhs: QuantSpec | None = None
+    rhs: QuantSpec | None = None
+    hadamard: int | None = None
+    random_signs: bool = True
+
+    @property
+    def active(self) -> bool:
+        return self.lhs is not None or self.rhs is not None or self.hadamard is not None
+
+    @property
+    def stochastic(self) -> bool:
+        return any(s is not None and s.stochastic for s in (self.lhs, self.rhs))
+
+
+_NONE = GemmSpec()
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A named low-bit training recipe: specs for the forward and both backward GEMMs.
+
+    ``residuals``: what the forward saves for the backward. ``"high"`` saves the
+    high-precision operands and quantizes again in the backward (least memory traffic in
+    the forward); ``"quantized"`` quantizes the backward operands in the forward and saves
+    them packed (QArray), which is what a memory-bound real deployment does.
+    """
+
+    name: str
+    fwd: GemmSpec = _NONE
+    dlhs: GemmSpec = _NONE
+    drhs: GemmSpec = _NONE
+    residuals: str = "high"
+    description: str = ""
+    source: str = ""
+
+    def __post_init__(self):
+        if self.residuals not in ("high", "quantized"):
+            raise ValueError(f"residuals must be 'high' or 'quantized', got {self.residuals!r}")
+
+    @property
+    def is_identity(self) -> bool:
+        return not (self.fwd.active or self.dlhs.active or self.drhs.active)
+
+    @property
+    def is_fqt(self) -> bool:
+        """True when a backward GEMM quantizes something (fully quantized training)."""
+        return self.dlhs.active or self.drhs.active
+
+    @property
+    def needs_key(self) -> bool:
+        gemms = (self.fwd, self.dlhs, self.drhs)
+        return any(g.stochastic or (g.hadamard and g.random_signs) for g in gemms)
+
+    def replace(self, **changes) -> Recipe:
+        return dataclasses.replace(self, **changes)
+
+
+_RECIPES: dict[str, Recipe] = {}
+
+
+def register(recipe: Recipe, *, overwrite: bool = False) -> Recipe:
+    """Make ``recipe`` available by name to ``get`` and to everything taking ``recipe=``."""
+    if not overwrite and recipe.name in _RECIPES:
+        raise ValueError(f"recipe {recipe.name!r} is already registered")
+    _RECIPES[recipe.name] = recipe
+    return recipe
+
+
+def names() -> list[str]:
+    return sorted(_RECIPES)
+
+
+def get(recipe: str | Recipe | None) -> Recipe:
+    """A Recipe by name (``None`` means ``"none"``); a Recipe passes through."""
+    if recipe is None:
+        return _RECIPES["none"]
+    if isinstance(recipe, Recipe):
+        return recipe
+    if not isinstance(recipe, str):
+        raise TypeError(f"recipe must be a name or a Recipe, got {type(recipe).__name__}")
+    try:
+        return _RECIPES[recipe.lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown recipe {recipe!r}; known recipes: {', '.join(names())}"
+        ) from None
+
+
+def _all(spec: QuantSpec, grad: QuantSpec | None = None) -> tuple[GemmSpec, GemmSpec, GemmSpec]:
+    g = spec if grad is None else grad
+    return GemmSpec(spec, spec), GemmSpec(g, spec), GemmSpec(spec, g)
+
+
+register(Recipe("none", description="No quantization: the model's own dtype (the baseline)."))
+
+_fwd, _dl, _dr = _all(
+    QuantSpec("e4m3", granularity="tensor"), QuantSpec("e5m2", granularity="tensor")
+)
+register(
+    Recipe(
+        "fp8",
+        _fwd,
+        _dl,
+        _dr,
+        description="Per-tensor scaled FP8: E4M3 weights and activations, E5M2 gradients.",
+        source="Micikevicius et al. 2022, 'FP8 Formats for Deep Learning' (arXiv:2209.05433)",
+    )
+)
+
+_fwd, _dl, _dr = _all(QuantSpec("mxfp8_e4m3", scale_mode="rceil"))
+register(
+    Recipe(
+        "mxfp8",
+        _fwd,
+        _dl,
+        _dr,
+        description="MXFP8 E4M3 for every operand of all three GEMMs, scales rounded up.",
+        source="OCP MX v1.0 (2023); Mishra et al. 2025, 'Recipes for Pre-training LLMs with "
+        "MXFP8' (arXiv:2506.08027): E4M3 everywhere with round-up (rceil) E8M0 scales",
+    )
+)
+
+_fwd, _dl, _dr = _all(QuantSpec("mxfp6_e2m3"), QuantSpec("mxfp6_e3m2"))
+register(
+    Recipe(
+        "mxfp6",
+        _fwd,
+        _dl,
+        _dr,
+        description="MXFP6: E2M3 weights and activations, E3M2 gradients, all three GEMMs.",
+        source="Rouhani et al. 2023, 'Microscaling Data Formats for Deep Learning' "
+        "(arXiv:2310.10537): MXFP6 training within a small gap of FP32",
+    )
+)
+
+_fwd, _dl, _dr = _all(QuantSpec("mxfp4"))
+register(
+    Recipe(
+        "mxfp4",
+        _fwd,
+        _dl,
+        _dr,
+        description="Naive MXFP4 for every operand of all three GEMMs (nearest rounding).",
+        source="Rouhani et al. 2023 (arXiv:2310.10537): MXFP4 training degrades without "
+        "further measures",
+    )
+)
+
+_a = QuantSpec("nvfp4")
+_w = QuantSpec("nvfp4", block_shape=(16, 16))
+_g = QuantSpec("nvfp4", rounding="stochastic")
+register(
+    Recipe(
+        "nvfp4",
+        fwd=GemmSpec(_a, _w),
+        dlhs=GemmSpec(_g, _w),
+        drhs=GemmSpec(_a, _g, hadamard=16),
+        description="NVFP4 with 16x16 weight tiles (one quantized weight serves fprop and "
+        "dgrad), a 16-point random Hadamard transform on the wgrad operands, stochastic "
+        "rounding of gradients.",
+        source="NVIDIA 2025, 'Pretraining Large Language Models with NVFP4' (arXiv:2509.25149)",
+    )
+)
+
+_qf = QuantSpec("mxfp4", clip_rms=2.92)
+_qb = QuantSpec("mxfp4", rounding="stochastic", prescale=0.75)
+register(
+    Recipe(
+        "quartet",
+        fwd=GemmSpec(_qf, _qf, hadamard=32),
+        dlhs=GemmSpec(_qb, _qb, hadamard=32),
+        drhs=GemmSpec(_qb, _qb, hadamard=32),
+        description="Quartet: MXFP4 forward after a Hadamard transform with RMS clipping "
+        "(QuEST), MXFP4 backward after a random Hadamard transform with stochastic rounding "
+        "(scaled by 3/4 so nothing clips).",
+        source="Castro et al. 2025, 'Quartet: Native FP4 Training Can Be Optimal for Large "
+        "Language Models' (arXiv:2505.14669); Panferov et al. 2025, QuEST (arXiv:2502.05003)",
+    )
+)
+
+_sb = QuantSpec("mxfp4", rounding="stochastic", prescale=0.75)
+register(
+    Recipe(
+        "mxfp4_bwd",
+        dlhs=GemmSpec(_sb, _sb, hadamard=64),
+        drhs=GemmSpec(_sb, _sb, hadamard=64),
+        description="High-precision forward; MXFP4 backward GEMMs with a random Hadamard "
+        "transform and stochastic rounding (scaled by 3/4 so nothing clips).",
+        source="Tseng, Yu and Park 2025, 'Training LLMs with MXFP4' (arXiv:2502.20586)",
+    )
+)
+
+for _name in _formats.names() + list(_formats.ALIASES):
+    _spec = QuantSpec(_name)
+    register(
+        Recipe(
+            f"qat_{_name}",
+            fwd=GemmSpec(_spec, _spec),
+            description=f"QAT: {_spec.format} fake-quantized weights and activations in the "
+            "forward, straight-through gradients in high precision.",
+            source="straight-through estimator (Bengio et al. 2013); formats per OCP MX v1.0 "
+            "and NVIDIA NVFP4",
+        )
+    )
