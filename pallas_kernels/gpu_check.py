@@ -1,0 +1,459 @@
+"""Compile, check and time every Pallas kernel on a GPU; or, with --dry-run, on a CPU.
+
+    python -m pallas_kernels.gpu_check             # on a GPU: < 5 minutes on an H200
+    python -m pallas_kernels.gpu_check --dry-run   # anywhere: CUDA lowering + interpret checks
+
+GPU mode, for each kernel configuration:
+- quantize (every format x axis x rounding) of a bf16 operand of the prefill-like GEMM
+  (8192 x 8192) and, rounding to nearest along rows, of the decode-like activation (16 x 8192):
+  bit-exact against ``lowbit.quantize`` run by XLA on the same GPU, then timed against it and
+  against the bf16 ``jnp.dot`` of that GEMM (quantize time / dot time = the overhead it adds);
+- block-scaled matmul (every format with itself, E4M3 x E5M2, weight-only bf16 x MXFP4 /
+  MXFP8 / NVFP4) on the prefill-like 8192^3 and decode-like M=16, K=N=8192 GEMMs: checked
+  against dequantize + float32 dot (the tolerance of tests/test_pallas_matmul.py), timed
+  against ``jnp.dot`` in bf16 on the same shapes: TFLOP/s, GB/s (operand and output bytes
+  over time) and the speed-up over the bf16 dot.
+A time budget (--budget-s, default 270 s) skips what is left once spent, so the whole run stays
+under 5 minutes even where compiles are slow; skipped rows are reported as such.
+
+Dry-run mode (CPU): lowers every configuration above for CUDA through jax.export with the
+exact blocks the GPU run uses (each Triton module verified), and runs each kernel with those
+blocks in interpret mode on a small problem against the reference. Exit status 1 if anything
+fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import lowbit as lb
+from pallas_kernels._common import export_for_cuda, on_gpu, time_fn
+from pallas_kernels.block_scaled_matmul import Config as MatmulConfig
+from pallas_kernels.block_scaled_matmul import block_scaled_matmul
+from pallas_kernels.block_scaled_matmul import get_default as matmul_default
+from pallas_kernels.block_scaled_matmul.kernel import matmul_pallas
+from pallas_kernels.block_scaled_matmul.reference import (
+    block_scaled_matmul_reference,
+    dequantized,
+)
+from pallas_kernels.quantize import Config as QuantizeConfig
+from pallas_kernels.quantize import get_default as quantize_default
+from pallas_kernels.quantize import quantize
+from pallas_kernels.quantize.kernel import quantize_pallas
+from pallas_kernels.quantize.reference import quantize_reference
+
+PREFILL = (8192, 8192, 8192)  # M, K, N
+DECODE = (16, 8192, 8192)
+FORMATS = lb.formats.names()
+MATMUL_PAIRS = [(f, f) for f in FORMATS] + [
+    ("mxfp8_e4m3", "mxfp8_e5m2"),
+    (None, "mxfp4"),  # W4A16 (None: a bf16 operand)
+    (None, "mxfp8_e4m3"),  # W8A16
+    (None, "nvfp4"),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeCase:
+    fmt: str
+    axis: int
+    rounding: str
+    shape: tuple[int, int]
+    gemm: tuple[int, int, int]  # the GEMM whose operand this is (for the dot-time ratio)
+
+    @property
+    def name(self) -> str:
+        return f"quantize {self.fmt:<10} axis={self.axis:>2} {self.rounding:<10} {self.shape}"
+
+    @property
+    def config(self) -> QuantizeConfig:
+        return quantize_default(self.shape, self.fmt, self.axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulCase:
+    a: str | None
+    b: str | None
+    mkn: tuple[int, int, int]
+
+    @property
+    def name(self) -> str:
+        return f"matmul {self.a or 'bf16':<10} x {self.b or 'bf16':<10} MKN={self.mkn}"
+
+    @property
+    def config(self) -> MatmulConfig:
+        m, k, n = self.mkn
+        blocks = tuple(lb.formats.get(f).block_size for f in (self.a, self.b) if f)
+        return matmul_default(m, n, k, block_sizes=blocks)
+
+
+def quantize_cases() -> list[QuantizeCase]:
+    cases = [
+        QuantizeCase(f, axis, r, PREFILL[:2], PREFILL)
+        for f in FORMATS
+        for axis in (-1, 0)
+        for r in ("nearest", "stochastic")
+    ]
+    cases += [QuantizeCase(f, -1, "nearest", DECODE[:2], DECODE) for f in FORMATS]
+    return cases
+
+
+def matmul_cases() -> list[MatmulCase]:
+    return [MatmulCase(a, b, mkn) for mkn in (PREFILL, DECODE) for a, b in MATMUL_PAIRS]
+
+
+# --------------------------------------------------------------------------------------------
+# Checks
+
+
+def same_qarray(q: lb.QArray, r: lb.QArray) -> bool:
+    ok = q.codes.shape == r.codes.shape and q.scales.shape == r.scales.shape
+    ok = ok and bool(jnp.all(q.codes == r.codes)) and bool(jnp.all(q.scales == r.scales))
+    if r.tensor_scale is not None:
+        ok = ok and np.asarray(q.tensor_scale).view(np.uint32) == np.asarray(r.tensor_scale).view(
+            np.uint32
+        )
+    return bool(ok)
+
+
+@jax.jit
+def _excess(c, ref, a, b):
+    """max(|C - C_ref| - tol) with tol = (2K + 4) 2**-24 (|A| @ |B|): <= 0 passes."""
+    mag = jnp.dot(
+        jnp.abs(dequantized(a)), jnp.abs(dequantized(b)), precision=jax.lax.Precision.HIGHEST
+    )
+    tol = (2 * a.shape[1] + 4) * 2.0**-24 * mag
+    return jnp.max(jnp.abs(c.astype(jnp.float32) - ref) - tol)
+
+
+def matmul_close(c, a, b) -> tuple[bool, float]:
+    ref = block_scaled_matmul_reference(a, b)
+    excess = float(_excess(c, ref, a, b))
+    return excess <= 0, float(jnp.max(jnp.abs(c.astype(jnp.float32) - ref)))
+
+
+def _operand(x, fmt, axis):
+    return x if fmt is None else quantize_reference(x, fmt, axis)
+
+
+def _nbytes(x) -> int:
+    return x.nbytes if isinstance(x, lb.QArray) else x.size * x.dtype.itemsize
+
+
+# --------------------------------------------------------------------------------------------
+# GPU mode
+
+
+def run_gpu(budget_s: float) -> int:
+    t_start = time.perf_counter()
+    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
+    failures, skipped = [], []
+    key = jax.random.key(0)
+
+    dot_time = {}
+    for m, k, n in (PREFILL, DECODE):
+        x = jax.random.normal(key, (m, k), jnp.bfloat16)
+        w = jax.random.normal(key, (k, n), jnp.bfloat16)
+        dot = jax.jit(
+            lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        )
+        t = time_fn(dot, (x, w))
+        dot_time[(m, k, n)] = t
+        print(
+            f"jnp.dot bf16 MKN={(m, k, n)}: {t * 1e6:9.1f} us  "
+            f"{2 * m * n * k / t / 1e12:7.1f} TFLOP/s  "
+            f"{(2 * (m * k + k * n + m * n)) / t / 1e9:7.1f} GB/s"
+        )
+
+    def over_budget(name):
+        if time.perf_counter() - t_start > budget_s:
+            skipped.append(name)
+            print(f"{name}: SKIPPED (time budget of {budget_s:.0f} s spent)")
+            return True
+        return False
+
+    print("\n-- quantize: bit-exact vs lowbit.quantize (XLA); time vs XLA and vs the bf16 dot")
+    for case in quantize_cases():
+        if over_budget(case.name):
+            continue
+        x = jax.random.normal(jax.random.fold_in(key, 1), case.shape, jnp.bfloat16)
+        x = x * jnp.exp(jax.random.normal(key, case.shape, jnp.bfloat16))
+        kw = dict(rounding=case.rounding)
+        kern = jax.jit(
+            lambda x, k, c=case, kw=kw: quantize(
+                x, c.fmt, c.axis, key=k, implementation="pallas", **kw
+            )
+        )
+        ref = jax.jit(lambda x, k, c=case, kw=kw: quantize_reference(x, c.fmt, c.axis, key=k, **kw))
+        try:
+            q, r = kern(x, key), ref(x, key)
+            exact = same_qarray(q, r)
+            tk, tr = time_fn(kern, (x, key)), time_fn(ref, (x, key))
+        except Exception as e:  # report and go on: one broken kernel should not hide others
+            failures.append(case.name)
+            print(f"{case.name}: ERROR {type(e).__name__}: {str(e)[:300]}")
+            continue
+        if not exact:
+            failures.append(case.name)
+        gbs = (_nbytes(x) + q.nbytes) / tk / 1e9
+        print(
+            f"{case.name}: {'bit-exact' if exact else 'MISMATCH'}  {tk * 1e6:8.1f} us "
+            f"{gbs:7.1f} GB/s | XLA {tr * 1e6:8.1f} us ({tr / tk:4.2f}x faster) | "
+            f"{tk / dot_time[case.gemm]:6.3f} of the bf16 dot"
+        )
+
+    print("\n-- block-scaled matmul: vs dequantize + float32 dot; time vs the bf16 jnp.dot")
+    for case in matmul_cases():
+        if over_budget(case.name):
+            continue
+        m, k, n = case.mkn
+        x = jax.random.normal(jax.random.fold_in(key, 2), (m, k), jnp.bfloat16)
+        w = jax.random.normal(jax.random.fold_in(key, 3), (k, n), jnp.bfloat16)
+        a, b = _operand(x, case.a, -1), _operand(w, case.b, 0)
+        kern = jax.jit(
+            lambda a, b: block_scaled_matmul(a, b, out_dtype=jnp.bfloat16, implementation="pallas")
+        )
+        kern32 = jax.jit(lambda a, b: block_scaled_matmul(a, b, implementation="pallas"))
+        try:
+            ok, err = matmul_close(kern32(a, b), a, b)
+            tk = time_fn(kern, (a, b))
+        except Exception as e:
+            failures.append(case.name)
+            print(f"{case.name}: ERROR {type(e).__name__}: {str(e)[:300]}")
+            continue
+        if not ok:
+            failures.append(case.name)
+        td = dot_time[case.mkn]
+        gbs = (_nbytes(a) + _nbytes(b) + 2 * m * n) / tk / 1e9
+        print(
+            f"{case.name}: {'ok' if ok else 'OUT OF TOLERANCE'} (max err {err:.2e})  "
+            f"{tk * 1e6:9.1f} us {2 * m * n * k / tk / 1e12:7.1f} TFLOP/s {gbs:7.1f} GB/s | "
+            f"bf16 dot {td * 1e6:9.1f} us | speed-up {td / tk:5.2f}x"
+        )
+
+    print(
+        f"\n{len(failures)} failed, {len(skipped)} skipped, {time.perf_counter() - t_start:.0f} s"
+    )
+    for name in failures:
+        print(f"FAILED: {name}")
+    return 1 if failures else 0
+
+
+# --------------------------------------------------------------------------------------------
+# Dry-run mode
+
+
+def run_dry() -> int:
+    t_start = time.perf_counter()
+    failures = []
+    key = jax.random.key(0)
+    rng = np.random.default_rng(0)
+    print(
+        "-- every configuration: CUDA export (GPU shapes, verified Triton modules) and an "
+        "interpret-mode check (small shape, same blocks)"
+    )
+    for case in quantize_cases():
+        cfg = case.config
+        try:
+            spec = jax.ShapeDtypeStruct(case.shape, jnp.bfloat16)
+            export_for_cuda(
+                lambda x, k, c=case, cfg=cfg: quantize_pallas(
+                    x, c.fmt, c.axis, rounding=c.rounding, key=k, config=cfg
+                ),
+                spec,
+                jax.ShapeDtypeStruct((2,), jnp.uint32),
+            )
+            small = (min(case.shape[0], 2 * cfg.block_rows), min(case.shape[1], 2 * cfg.block_cols))
+            x = jnp.asarray(
+                rng.standard_normal(small) * np.exp(rng.standard_normal(small)), jnp.bfloat16
+            )
+            q = quantize(
+                x,
+                case.fmt,
+                case.axis,
+                rounding=case.rounding,
+                key=key,
+                implementation="pallas",
+                interpret=True,
+                config=cfg,
+            )
+            ok = same_qarray(
+                q, quantize_reference(x, case.fmt, case.axis, rounding=case.rounding, key=key)
+            )
+        except Exception as e:
+            ok = False
+            print(f"{case.name}: ERROR {type(e).__name__}: {str(e)[:300]}")
+        print(
+            f"{case.name} {cfg}: lowers for CUDA; interpret {small}: "
+            f"{'bit-exact' if ok else 'FAILED'}"
+        )
+        if not ok:
+            failures.append(case.name)
+    for case in matmul_cases():
+        cfg = case.config
+        m, k, n = case.mkn
+        try:
+            a_spec = _spec(case.a, (m, k), -1)
+            b_spec = _spec(case.b, (k, n), 0)
+            export_for_cuda(
+                lambda a, b, cfg=cfg: matmul_pallas(a, b, config=cfg, out_dtype=jnp.bfloat16),
+                a_spec,
+                b_spec,
+            )
+            sm, sk, sn = min(m, cfg.block_m), min(k, 2 * cfg.block_k), min(n, 2 * cfg.block_n)
+            x = jnp.asarray(rng.standard_normal((sm, sk)), jnp.bfloat16)
+            w = jnp.asarray(rng.standard_normal((sk, sn)), jnp.bfloat16)
+            a, b = _operand(x, case.a, -1), _operand(w, case.b, 0)
+            c = block_scaled_matmul(a, b, implementation="pallas", interpret=True, config=cfg)
+            ok, err = matmul_close(c, a, b)
+        except Exception as e:
+            ok, err = False, float("nan")
+            print(f"{case.name}: ERROR {type(e).__name__}: {str(e)[:300]}")
+        print(
+            f"{case.name} {cfg}: lowers for CUDA; interpret {(sm, sk, sn)}: "
+            f"{'ok' if ok else 'FAILED'} (max err {err:.1e})"
+        )
+        if not ok:
+            failures.append(case.name)
+    print(f"\n{len(failures)} failed, {time.perf_counter() - t_start:.0f} s")
+    for name in failures:
+        print(f"FAILED: {name}")
+    return 1 if failures else 0
+
+
+def _spec(fmt, shape, axis):
+    if fmt is None:
+        return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    return jax.eval_shape(
+        lambda x: lb.quantize(x, fmt, axis), jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Block-size sweep (GPU, opt-in): candidates for the get_default heuristics
+
+SWEEP_MATMUL = {
+    PREFILL: [
+        MatmulConfig(128, 128, 64, 8, 4, 3),
+        MatmulConfig(128, 128, 64, 8, 8, 3),
+        MatmulConfig(128, 256, 64, 8, 8, 3),
+        MatmulConfig(256, 128, 64, 8, 8, 3),
+        MatmulConfig(128, 128, 128, 8, 8, 3),
+        MatmulConfig(64, 128, 64, 8, 4, 4),
+    ],
+    DECODE: [
+        MatmulConfig(16, 64, 256, 1, 4, 3),
+        MatmulConfig(16, 32, 256, 1, 4, 3),
+        MatmulConfig(16, 64, 512, 1, 4, 3),
+        MatmulConfig(16, 128, 256, 1, 4, 4),
+        MatmulConfig(16, 64, 128, 1, 4, 4),
+        MatmulConfig(16, 64, 256, 1, 8, 3),
+    ],
+}
+SWEEP_QUANTIZE = {
+    -1: [
+        QuantizeConfig(16, 256, 4),
+        QuantizeConfig(32, 256, 4),
+        QuantizeConfig(8, 512, 4),
+        QuantizeConfig(32, 128, 4),
+        QuantizeConfig(64, 256, 8),
+    ],
+    0: [
+        QuantizeConfig(64, 64, 4),
+        QuantizeConfig(32, 32, 4),
+        QuantizeConfig(128, 64, 8),
+        QuantizeConfig(64, 128, 8),
+        QuantizeConfig(128, 128, 8),
+    ],
+}
+
+
+def run_sweep(budget_s: float) -> None:
+    """Time candidate blocks (mxfp4 / mxfp8 / W4A16 matmuls, mxfp4 quantize); print each."""
+    t_start = time.perf_counter()
+    key = jax.random.key(0)
+    print("\n-- block sweep (defaults marked *)")
+    for mkn, configs in SWEEP_MATMUL.items():
+        m, k, n = mkn
+        x = jax.random.normal(key, (m, k), jnp.bfloat16)
+        w = jax.random.normal(jax.random.fold_in(key, 1), (k, n), jnp.bfloat16)
+        for fa, fb in (("mxfp4", "mxfp4"), ("mxfp8_e4m3", "mxfp8_e4m3"), (None, "mxfp4")):
+            a, b = _operand(x, fa, -1), _operand(w, fb, 0)
+            default = MatmulCase(fa, fb, mkn).config
+            for cfg in configs:
+                if time.perf_counter() - t_start > budget_s:
+                    print("sweep: time budget spent")
+                    return
+                kern = jax.jit(
+                    lambda a, b, cfg=cfg: block_scaled_matmul(
+                        a, b, out_dtype=jnp.bfloat16, implementation="pallas", config=cfg
+                    )
+                )
+                try:
+                    tk = time_fn(kern, (a, b))
+                    res = f"{tk * 1e6:9.1f} us {2 * m * n * k / tk / 1e12:7.1f} TFLOP/s"
+                except Exception as e:
+                    res = f"ERROR {type(e).__name__}: {str(e)[:200]}"
+                star = "*" if cfg == default else " "
+                print(f"{star}matmul {fa or 'bf16'} x {fb} MKN={mkn} {cfg}: {res}")
+    x = jax.random.normal(key, PREFILL[:2], jnp.bfloat16)
+    for axis, configs in SWEEP_QUANTIZE.items():
+        default = quantize_default(x.shape, "mxfp4", axis)
+        for cfg in configs:
+            if time.perf_counter() - t_start > budget_s:
+                print("sweep: time budget spent")
+                return
+            kern = jax.jit(
+                lambda x, cfg=cfg, axis=axis: quantize(
+                    x, "mxfp4", axis, implementation="pallas", config=cfg
+                )
+            )
+            try:
+                tk = time_fn(kern, (x,))
+                nbytes = x.nbytes + x.size * 17 // 32  # 4-bit codes + a scale byte per 32
+                res = f"{tk * 1e6:9.1f} us {nbytes / tk / 1e9:7.1f} GB/s"
+            except Exception as e:
+                res = f"ERROR {type(e).__name__}: {str(e)[:200]}"
+            star = "*" if cfg == default else " "
+            print(f"{star}quantize mxfp4 axis={axis} {x.shape} {cfg}: {res}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU: CUDA lowering of every kernel + interpret-mode checks",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=270.0,
+        help="GPU mode: skip what is left after this many seconds",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="GPU mode: afterwards, time candidate block sizes (another budget-s at most)",
+    )
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        return run_dry()
+    if not on_gpu():
+        print(f"no GPU (default backend: {jax.default_backend()}); use --dry-run")
+        return 2
+    status = run_gpu(args.budget_s)
+    if args.sweep:
+        run_sweep(args.budget_s)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

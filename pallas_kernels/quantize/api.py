@@ -1,0 +1,120 @@
+"""Block quantization of a 2-D matrix: the Pallas kernel or the XLA reference.
+
+>>> import jax.numpy as jnp
+>>> from pallas_kernels.quantize import quantize
+>>> x = jnp.linspace(-1.0, 1.0, 64 * 128).reshape(64, 128)
+>>> q = quantize(x, "mxfp4", axis=0, implementation="xla")
+>>> q.codes.shape, q.scales.shape
+((128, 32), (128, 2))
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit import formats as _formats
+from lowbit.qarray import ROUNDINGS, SCALE_MODES, QArray
+from pallas_kernels._common import select_implementation
+from pallas_kernels.quantize.config import Config, get_default
+from pallas_kernels.quantize.kernel import quantize_pallas
+from pallas_kernels.quantize.reference import quantize_reference
+
+__all__ = ["quantize"]
+
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def quantize(
+    x: jax.Array,
+    fmt,
+    axis: int = -1,
+    *,
+    rounding: str = "nearest",
+    key: jax.Array | None = None,
+    scale_mode: str | None = None,
+    tensor_amax=None,
+    implementation: str | None = None,
+    config: Config | None = None,
+    interpret: bool = False,
+) -> QArray:
+    """Quantize the matrix ``x [R, C]`` along ``axis`` (0 or -1) to ``fmt``; a ``QArray``
+    identical to ``lowbit.quantize(x, fmt, axis, ...)``.
+
+    Args:
+      x: 2-D float32, bfloat16 or float16 matrix.
+      fmt: a format name (every MX format and ``nvfp4``) or BlockFormat.
+      axis: the axis the blocks run along: -1/1 (rows, the forward GEMM's activations) or
+        0/-2 (columns, for the backward GEMMs).
+      rounding, key, scale_mode, tensor_amax: as in ``lowbit.quantize``.
+      implementation: ``"xla"`` (the reference), ``"pallas"`` (the kernel; falls back to the
+        reference with a warning when it cannot run), or None (the kernel on a GPU).
+      config: the kernel's tile (default: :func:`get_default`).
+      interpret: run the kernel in Pallas interpret mode (CPU testing).
+    """
+    fmt = _formats.get(fmt)
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x must be a floating-point matrix, got dtype {x.dtype}")
+    if x.ndim != 2:
+        raise ValueError(
+            f"x must be a 2-D matrix, got shape {x.shape}; lowbit.quantize handles other ranks"
+        )
+    if axis not in (-2, -1, 0, 1):
+        raise ValueError(f"axis must be 0 or -1 (or 1, -2) for a matrix, got {axis}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if rounding == "stochastic" and key is None:
+        raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
+    if fmt.is_mx:
+        if scale_mode is not None and scale_mode not in SCALE_MODES:
+            raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+        if tensor_amax is not None:
+            raise ValueError(f"tensor_amax applies only to NVFP4, not to {fmt.name}")
+    else:
+        if scale_mode not in (None, "nvfp4"):
+            raise ValueError(
+                f"scale_mode={scale_mode!r} does not apply to {fmt.name}: its block scales are "
+                "E4M3 values rounded to nearest even"
+            )
+        if tensor_amax is not None and not isinstance(tensor_amax, jax.core.Tracer):
+            ta = np.asarray(tensor_amax)
+            if ta.shape != () or not np.isfinite(ta) or ta < 0:
+                raise ValueError(
+                    f"tensor_amax must be a finite non-negative scalar, got {tensor_amax}"
+                )
+    ax = axis % 2
+    if config is not None:
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a quantize.Config, got {type(config).__name__}")
+        config.check(fmt, ax)
+    n_padded = x.shape[1 - ax] * math.ceil(x.shape[ax] / fmt.block_size) * fmt.block_size
+    if rounding == "stochastic" and n_padded >= 2**32:
+        raise ValueError(f"stochastic rounding supports fewer than 2**32 elements, got {n_padded}")
+
+    unsupported = None
+    if x.dtype not in KERNEL_DTYPES:
+        unsupported = f"dtype {x.dtype} (the kernel reads float32, bfloat16, float16)"
+    elif x.size == 0:
+        unsupported = f"an empty matrix {x.shape}"
+    impl = select_implementation("quantize", implementation, interpret, unsupported)
+    if impl == "xla":
+        return quantize_reference(
+            x, fmt, axis, rounding=rounding, key=key, scale_mode=scale_mode, tensor_amax=tensor_amax
+        )
+    if config is None:
+        config = get_default(x.shape, fmt, ax)
+    return quantize_pallas(
+        x,
+        fmt,
+        ax,
+        rounding=rounding,
+        key=key,
+        scale_mode=scale_mode,
+        tensor_amax=tensor_amax,
+        config=config,
+        interpret=interpret,
+    )

@@ -1,0 +1,62 @@
+"""Time the quantize kernel against the XLA reference (``lowbit.quantize``).
+
+    python -m pallas_kernels.quantize.bench                       # 8192 x 8192 bf16, all formats
+    python -m pallas_kernels.quantize.bench --shape 16,8192 --formats mxfp4,nvfp4 --axis 0
+
+Needs a GPU for the kernel; elsewhere it times the reference only. Prints microseconds, GB/s
+(input read plus packed output written) and the kernel's speed-up over the reference, after
+checking that both give the same codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+import lowbit as lb
+from pallas_kernels._common import on_gpu, time_fn
+from pallas_kernels.quantize.api import quantize
+from pallas_kernels.quantize.reference import quantize_reference
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="8192,8192")
+    p.add_argument("--formats", default=",".join(lb.formats.names()))
+    p.add_argument("--axis", type=int, default=-1)
+    p.add_argument("--rounding", default="nearest", choices=["nearest", "stochastic"])
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args(argv)
+    shape = tuple(int(s) for s in args.shape.split(","))
+    key = jax.random.key(0)
+    x = jax.random.normal(key, shape, jnp.dtype(args.dtype))
+    gpu = on_gpu()
+    print(
+        f"{jax.default_backend()}: quantize {shape} {args.dtype} axis={args.axis} "
+        f"{args.rounding}" + ("" if gpu else " (no GPU: reference only)")
+    )
+    for fmt in args.formats.split(","):
+        kw = dict(rounding=args.rounding)
+        ref = jax.jit(lambda x, k, f=fmt, kw=kw: quantize_reference(x, f, args.axis, key=k, **kw))
+        tr = time_fn(ref, (x, key))
+        q = ref(x, key)
+        line = f"{fmt:<11} xla {tr * 1e6:9.1f} us {(x.nbytes + q.nbytes) / tr / 1e9:7.1f} GB/s"
+        if gpu:
+            kern = jax.jit(
+                lambda x, k, f=fmt, kw=kw: quantize(
+                    x, f, args.axis, key=k, implementation="pallas", **kw
+                )
+            )
+            same = bool(jnp.all(kern(x, key).codes == q.codes))
+            tk = time_fn(kern, (x, key))
+            line += (
+                f" | pallas {tk * 1e6:9.1f} us {(x.nbytes + q.nbytes) / tk / 1e9:7.1f} GB/s"
+                f" {tr / tk:5.2f}x {'same codes' if same else 'CODES DIFFER'}"
+            )
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
