@@ -13,7 +13,17 @@ from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # lowbit.flax imports Flax: load it on first use so `import lowbit` stays light.
+    if name == "flax":
+        import importlib
+
+        return importlib.import_module("lowbit.flax")
+    raise AttributeError(f"module 'lowbit' has no attribute {name!r}")
+
 __all__ = [
+    "flax",
     "formats",
     "hadamard",
     "numerics",

@@ -16,6 +16,7 @@ from lowbit.formats import ElementFormat
 
 __all__ = [
     "pow2",
+    "ldexp_exact",
     "exponent",
     "round_to_grid",
     "uniform_bits",
@@ -30,6 +31,21 @@ def pow2(e: jax.Array) -> jax.Array:
     """``2.0**e`` as float32 for integer ``e`` in [-126, 127], built from the exponent bits."""
     e = jnp.asarray(e, jnp.int32)
     return lax.bitcast_convert_type((e + _BIAS) << _MANT, jnp.float32)
+
+
+def ldexp_exact(x: jax.Array, k: int) -> jax.Array:
+    """``x * 2**k`` for float32 ``x`` and a static int ``k``, by adding ``k`` to the exponent
+    field: exact when ``x`` and the result are normal; zero (and flushed subnormals) stay
+    zero.
+
+    A float multiplication by a constant would do the same, but XLA reassociates
+    ``(v * c) * broadcast(scale)`` into ``v * broadcast(scale * c)``, and ``scale * c`` can
+    underflow to zero (or overflow) where the true product does not. Integer arithmetic on
+    the bits is not reassociated.
+    """
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    out = lax.bitcast_convert_type(bits + (k << _MANT), jnp.float32)
+    return jnp.where((bits & 0x7F800000) == 0, x, out)
 
 
 def exponent(x: jax.Array) -> jax.Array:
@@ -110,14 +126,14 @@ def round_to_grid(
     else:
         bits = bits + (rbits >> (32 - shift))
     normal = lax.bitcast_convert_type(bits & ~low, jnp.float32)
-    q = 2.0 ** (elem.emin - elem.mbits)
-    y = a * np.float32(1.0 / q)  # exact: |v| in grid steps
+    steps = elem.mbits - elem.emin  # |v| / q == |v| * 2**steps
+    y = ldexp_exact(a, steps)  # exact: |v| in grid steps
     if rbits is None:
-        sub = jnp.round(y) * np.float32(q)  # half to even
+        sub = ldexp_exact(jnp.round(y), -steps)  # half to even
     else:
         fl = jnp.floor(y)
         u = (rbits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
-        sub = (fl + (u < (y - fl)).astype(jnp.float32)) * np.float32(q)
+        sub = ldexp_exact(fl + (u < (y - fl)).astype(jnp.float32), -steps)
     r = jnp.where(a < np.float32(elem.min_normal), sub, normal)
     if elem.is_int:  # two's complement has no -0: a negative value that rounds to 0 is +0
         return jnp.where(r == 0, np.float32(0), jnp.copysign(r, v))

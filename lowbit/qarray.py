@@ -1,7 +1,8 @@
 """Block-scaled quantization: the QArray pytree, quantize / dequantize / fake_quantize.
 
-Layout. The quantized axes are moved to the end (in the order given) and zero-padded to a
-multiple of the block; ``codes`` hold the packed element codes of that layout (two FP4 codes a
+Layout. Blocks are formed where they lie (no transpose of the input). For storage, the
+quantized axes are moved to the end (in the order given) and zero-padded to a multiple of the
+block; ``codes`` hold the packed element codes of that layout (two FP4 codes a
 byte, low nibble first; four FP6 codes in three bytes, little-endian; one byte for FP8 and
 INT8) and ``scales`` one byte per block (E8M0 exponent, or unsigned E4M3 for NVFP4). NVFP4 also
 carries a float32 ``tensor_scale``. ``dequantize`` restores the original shape and axis order.
@@ -29,7 +30,7 @@ from jax import lax
 
 from lowbit import formats as _formats
 from lowbit.formats import E4M3, BlockFormat, ElementFormat
-from lowbit.numerics import exponent, pow2, round_to_grid, uniform_bits
+from lowbit.numerics import exponent, ldexp_exact, pow2, round_to_grid, uniform_bits
 
 __all__ = [
     "QArray",
@@ -123,7 +124,7 @@ def encode_elements(v: jax.Array, elem: ElementFormat) -> jax.Array:
     two's complement for INT8)."""
     v = v.astype(jnp.float32)
     if elem.is_int:
-        k = jnp.round(v * 64.0).astype(jnp.int32).astype(jnp.int8)
+        k = jnp.round(ldexp_exact(v, 6)).astype(jnp.int32).astype(jnp.int8)
         return lax.bitcast_convert_type(k, jnp.uint8)
     bits = lax.bitcast_convert_type(v, jnp.uint32)
     sign = (bits >> 31).astype(jnp.uint8)
@@ -131,7 +132,7 @@ def encode_elements(v: jax.Array, elem: ElementFormat) -> jax.Array:
     abits = lax.bitcast_convert_type(a, jnp.int32)
     e_field = jnp.maximum(exponent(a) + elem.bias, 0)
     mant_normal = (abits >> (23 - elem.mbits)) & ((1 << elem.mbits) - 1)
-    mant_sub = (a * np.float32(1.0 / elem.min_subnormal)).astype(jnp.int32)
+    mant_sub = ldexp_exact(a, elem.mbits - elem.emin).astype(jnp.int32)
     mant = jnp.where(e_field > 0, mant_normal, mant_sub)
     code = (e_field << elem.mbits) | mant
     return code.astype(jnp.uint8) | (sign << (elem.ebits + elem.mbits))
@@ -143,7 +144,7 @@ def decode_elements(codes: jax.Array, elem: ElementFormat) -> jax.Array:
     codes = codes.astype(jnp.uint8)
     if elem.is_int:
         k = lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32)
-        return k * np.float32(2.0**-6)
+        return ldexp_exact(k, -6)
     c = codes.astype(jnp.int32)
     nbits = elem.ebits + elem.mbits
     sign = (c >> nbits) & 1
@@ -151,7 +152,7 @@ def decode_elements(codes: jax.Array, elem: ElementFormat) -> jax.Array:
     mant = c & ((1 << elem.mbits) - 1)
     normal_bits = ((e_field - elem.bias + 127) << 23) | (mant << (23 - elem.mbits))
     normal = lax.bitcast_convert_type(normal_bits, jnp.float32)
-    sub = mant.astype(jnp.float32) * np.float32(elem.min_subnormal)
+    sub = ldexp_exact(mant.astype(jnp.float32), elem.emin - elem.mbits)
     mag = jnp.where(e_field == 0, sub, normal)
     emax_field = (1 << elem.ebits) - 1
     if elem.has_inf:  # IEEE-like specials (E5M2)
@@ -210,27 +211,43 @@ class _Plan:
     padded: tuple[int, ...]  # padded extent of each quantized axis
     scale_mode: str
     stochastic: bool
+    gain: float = 1.0  # elements multiplied by this after scaling, values divided after
 
     @property
     def other_shape(self) -> tuple[int, ...]:
         return tuple(self.shape[i] for i in self.perm[: len(self.shape) - len(self.axes)])
 
     @property
-    def moved_shape(self) -> tuple[int, ...]:
-        return self.other_shape + tuple(self.shape[a] for a in self.axes)
+    def padded_shape(self) -> tuple[int, ...]:
+        """The tensor's shape with each quantized axis zero-padded to a block multiple."""
+        pad = dict(zip(self.axes, self.padded, strict=True))
+        return tuple(pad.get(i, d) for i, d in enumerate(self.shape))
 
     @property
     def blocked_shape(self) -> tuple[int, ...]:
-        """``[*other, n0, b0, n1, b1, ...]``: each padded axis split into (blocks, block)."""
+        """The padded shape with each quantized axis split in place into (blocks, block):
+        blocks are formed where they lie, with no transpose."""
+        blk = dict(zip(self.axes, self.block_shape, strict=True))
         dims: tuple[int, ...] = ()
-        for p, b in zip(self.padded, self.block_shape, strict=True):
-            dims += (p // b, b)
-        return self.other_shape + dims
+        for i, d in enumerate(self.padded_shape):
+            dims += (d // blk[i], blk[i]) if i in blk else (d,)
+        return dims
 
     @property
     def block_axes(self) -> tuple[int, ...]:
-        k = len(self.other_shape)
-        return tuple(k + 2 * i + 1 for i in range(len(self.axes)))
+        """Positions of the in-block dims in :attr:`blocked_shape`."""
+        out, pos = [], 0
+        for i in range(len(self.shape)):
+            if i in self.axes:
+                out.append(pos + 1)
+                pos += 2
+            else:
+                pos += 1
+        return tuple(out)
+
+    @property
+    def moves_axes(self) -> bool:
+        return self.perm != tuple(range(len(self.shape)))
 
 
 def _normalize_axes(axis, ndim: int, nblock: int) -> tuple[int, ...]:
@@ -273,7 +290,7 @@ def _check_input(x, name: str = "x") -> jax.Array:
 
 
 def _make_plan(
-    shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax
+    shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax, gain: float = 1.0
 ) -> _Plan:
     fmt = _formats.get(fmt)
     ndim = len(shape)
@@ -326,32 +343,33 @@ def _make_plan(
     other = tuple(i for i in range(ndim) if i not in axes)
     padded = tuple(-(-shape[a] // b) * b for a, b in zip(axes, block_shape, strict=True))
     return _Plan(fmt, tuple(shape), axes, block_shape, other + axes, padded, scale_mode,
-                 stochastic)
+                 stochastic, float(gain))
 
 
 def _to_blocks(x: jax.Array, plan: _Plan) -> jax.Array:
-    """``x`` -> float32 ``[*other, n0, b0, ...]`` (axes moved last, zero-padded)."""
+    """``x`` -> float32 in :attr:`_Plan.blocked_shape` (zero-padded, blocks in place)."""
     x = x.astype(jnp.float32)
-    if plan.perm != tuple(range(x.ndim)):
-        x = jnp.transpose(x, plan.perm)
-    k = len(plan.other_shape)
-    pads = [(0, 0)] * k + [
-        (0, p - x.shape[k + i]) for i, p in enumerate(plan.padded)
-    ]
-    if any(hi for _, hi in pads):
-        x = jnp.pad(x, pads)
+    if plan.padded_shape != x.shape:
+        x = jnp.pad(x, [(0, p - d) for p, d in zip(plan.padded_shape, x.shape, strict=True)])
     return x.reshape(plan.blocked_shape)
 
 
 def _from_blocks(y: jax.Array, plan: _Plan) -> jax.Array:
-    """Inverse of :func:`_to_blocks` (drops the padding, restores the axis order)."""
-    k = len(plan.other_shape)
-    y = y.reshape(plan.other_shape + plan.padded)
-    if plan.padded != tuple(plan.shape[a] for a in plan.axes):
-        y = y[tuple([slice(None)] * k + [slice(0, plan.shape[a]) for a in plan.axes])]
-    if plan.perm != tuple(range(y.ndim)):
-        y = jnp.transpose(y, np.argsort(plan.perm))
+    """Inverse of :func:`_to_blocks` (drops the padding)."""
+    y = y.reshape(plan.padded_shape)
+    if plan.padded_shape != plan.shape:
+        y = y[tuple(slice(0, d) for d in plan.shape)]
     return y
+
+
+def _to_storage(a: jax.Array, plan: _Plan) -> jax.Array:
+    """Codes or scales from the tensor's axis order to the storage order (quantized axes
+    last, in block order)."""
+    return jnp.transpose(a, plan.perm) if plan.moves_axes else a
+
+
+def _from_storage(a: jax.Array, plan: _Plan) -> jax.Array:
+    return jnp.transpose(a, np.argsort(plan.perm)) if plan.moves_axes else a
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,12 +453,14 @@ def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Qua
         v = xb * inv_hi
         if elem.emax == 0:  # only MX INT8 can need 2**-e == 2**-127 (amax >= 2**127)
             v = v * inv_lo
+        if plan.gain != 1.0:
+            v = v * np.float32(plan.gain)
         clipped = jnp.abs(v) > elem.max if want_clip else None
         v = jnp.clip(v, -elem.max, elem.max)
         q = round_to_grid(v, elem, rbits=rbits)
 
         def mul(elems, hi=mul_hi, lo=mul_lo):
-            return (elems * hi) * lo
+            return _ungain((elems * hi) * lo, plan.gain)
 
         return _Quantized(q, code, mul, finite, clipped)
 
@@ -457,6 +477,8 @@ def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Qua
     s = round_to_grid(jnp.where(t > 0, s_raw, 0.0), E4M3)
     st = s * t
     v = _ieee_div(xb, jnp.where(st > 0, st, np.float32(1.0)))
+    if plan.gain != 1.0:
+        v = v * np.float32(plan.gain)
     clipped = jnp.abs(v) > elem.max if want_clip else None
     v = jnp.where(st > 0, jnp.clip(v, -elem.max, elem.max), 0.0)
     q = round_to_grid(v, elem, rbits=rbits)
@@ -464,7 +486,7 @@ def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Qua
     s_or_nan = jnp.where(finite, s, np.float32(np.nan))
 
     def mul(elems, s=s_or_nan, t=t):
-        return (elems * s) * t
+        return _ungain((elems * s) * t, plan.gain)
 
     return _Quantized(q, code, mul, finite, clipped, tensor_scale=t)
 
@@ -479,6 +501,11 @@ def _ieee_div(a: jax.Array, b) -> jax.Array:
     Inf in ``a`` makes the quotient NaN, which only happens in blocks that are NaN anyway.)
     """
     return a / (b + a * np.float32(0))
+
+
+def _ungain(y: jax.Array, gain: float) -> jax.Array:
+    """Undo an element gain (see ``_Plan.gain``) on dequantized values."""
+    return y if gain == 1.0 else _ieee_div(y, np.float32(gain))
 
 
 def _squeeze_blocks(a: jax.Array, plan: _Plan) -> jax.Array:
@@ -521,13 +548,19 @@ def quantize(
     """
     x = _check_input(x)
     plan = _make_plan(x.shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax)
+    return _quantize_with_plan(x, plan, key, tensor_amax)
+
+
+def _quantize_with_plan(x, plan: _Plan, key, tensor_amax) -> QArray:
+    """:func:`quantize` for a checked plan. With ``plan.gain != 1`` the codes hold the
+    elements of ``x * gain`` (scale chosen from ``x``); divide dequantized values by it."""
     qz = _quantize_blocks(_to_blocks(x, plan), plan, key, tensor_amax, want_clip=False)
     elem = plan.fmt.elem
     elems = jnp.where(qz.finite, qz.elems, 0.0)  # a NaN/Inf block: NaN scale, zero codes
-    codes = encode_elements(elems, elem).reshape(plan.other_shape + plan.padded)
+    codes = _to_storage(encode_elements(elems, elem).reshape(plan.padded_shape), plan)
     return QArray(
         codes=_pack(codes, elem),
-        scales=_squeeze_blocks(qz.scale_code, plan),
+        scales=_to_storage(_squeeze_blocks(qz.scale_code, plan), plan),
         tensor_scale=qz.tensor_scale,
         format_name=plan.fmt.name,
         shape=tuple(x.shape),
@@ -549,8 +582,9 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
     fmt = q.format
     elem = fmt.elem
     plan = _make_plan(q.shape, fmt, q.axes, q.block_shape, None, "nearest", None, None)
-    elems = decode_elements(_unpack(q.codes, elem), elem).reshape(plan.blocked_shape)
-    scales = jnp.expand_dims(q.scales, plan.block_axes)
+    codes = _from_storage(_unpack(q.codes, elem), plan).reshape(plan.blocked_shape)
+    elems = decode_elements(codes, elem)
+    scales = jnp.expand_dims(_from_storage(q.scales, plan), plan.block_axes)
     if fmt.is_mx:
         e = scales.astype(jnp.int32) - 127
         s_hi = jnp.clip(e, -126, 127)

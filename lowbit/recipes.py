@@ -51,8 +51,10 @@ class QuantSpec:
         ``(along contraction, along the operand's last free axis)``, e.g. ``(16, 16)``, so one
         quantized weight serves both the forward and the input-gradient GEMM.
       granularity: ``"block"`` or ``"tensor"``.
-      prescale: multiply by this before quantizing and divide after (3/4 keeps stochastic
-        rounding of FP4 from clipping: Tseng et al. 2025).
+      prescale: a gain on the elements: the scale is chosen from the operand as usual, the
+        scaled elements are multiplied by ``prescale`` before rounding, and the dequantized
+        values divided by it (3/4 keeps stochastic rounding of FP4 from clipping: the largest
+        scaled element of an MX block is below 8, and 8 * 3/4 = 6; Tseng et al. 2025).
       clip_rms: clip to +-clip_rms * RMS (over the contraction axis) before quantizing
         (QuEST / Quartet forward); None: no clipping.
     """

@@ -36,7 +36,7 @@ from pallas_kernels.quantize.config import Config
 __all__ = ["quantize_pallas", "tensor_scale"]
 
 
-def _kernel(*refs, fmt, axis, stochastic, scale_mode, stride, interpret):
+def _kernel(*refs, fmt, axis, stochastic, scale_mode, stride, index_stride, interpret):
     it = iter(refs)
     x_ref = next(it)
     key_ref = next(it) if stochastic else None
@@ -68,7 +68,12 @@ def _kernel(*refs, fmt, axis, stochastic, scale_mode, stride, interpret):
             + lax.broadcasted_iota(jnp.int32, shape, 2)
             + col0
         )
-        idx = r.astype(jnp.uint32) * jnp.uint32(stride) + c.astype(jnp.uint32)
+        # Flat index in the tensor's own (padded, row-major) layout, as lowbit.quantize
+        # draws its random bits: rows of the moved layout are the tensor's columns for axis 0.
+        if axis == 1:
+            idx = r.astype(jnp.uint32) * jnp.uint32(stride) + c.astype(jnp.uint32)
+        else:
+            idx = c.astype(jnp.uint32) * jnp.uint32(index_stride) + r.astype(jnp.uint32)
         rbits = nx.hashed_bits(idx, key_ref[0], key_ref[1])
 
     if fmt.is_mx:
@@ -164,6 +169,7 @@ def _quantize(x, key_consts, tensor_amax, *, fmt, axis, stochastic, scale_mode, 
         stochastic=stochastic,
         scale_mode=scale_mode,
         stride=stride,
+        index_stride=c,  # axis 0: the tensor's row length (its columns are not padded)
         interpret=interpret,
     )
     codes, scales = pl.pallas_call(

@@ -1,0 +1,385 @@
+"""Framework-independent pieces of the Flax integration: rules, sites, the quantized ops.
+
+A *site* is one GEMM of a model that a rule can quantize: the ``dot_general`` of a dense layer
+(Linen ``Dense`` / ``DenseGeneral``, NNX ``Linear`` / ``LinearGeneral``, any module with a
+``dot_general`` attribute), the einsum of an ``Einsum`` layer, and the two activation-by-
+activation einsums of an attention module, which are named by the attention module's path plus
+``/attn_scores`` (``q @ k^T``) and ``/attn_values`` (``softmax(...) @ v``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import string
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import lowbit as lb
+from lowbit import recipes as _recipes
+from lowbit.recipes import GemmSpec, QuantSpec, Recipe
+
+ATTN_SCORES = "attn_scores"
+ATTN_VALUES = "attn_values"
+QUANT_STREAM = "quant"
+
+
+# --------------------------------------------------------------------------------------------
+# Rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One rule: modules whose path ``re.fullmatch``-es ``pattern`` get ``recipe``."""
+
+    pattern: str
+    recipe: Recipe
+
+    @property
+    def regex(self) -> re.Pattern:
+        return re.compile(self.pattern)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """An ordered, validated list of :class:`Rule`; the first rule that matches wins.
+
+    >>> from lowbit.flax import Rules
+    >>> r = Rules.of([(r".*mlp.*", "mxfp4"), (r".*", "mxfp8")])
+    >>> r.match("block_0/mlp/up").name, r.match("block_0/attn/query").name
+    ('mxfp4', 'mxfp8')
+    """
+
+    rules: tuple[Rule, ...]
+
+    @classmethod
+    def of(cls, rules: Any) -> Rules:
+        """Validate ``rules``: a list of ``(path_regex, recipe)`` pairs (or a Rules)."""
+        if isinstance(rules, Rules):
+            return rules
+        shape_hint = (
+            "rules must be a list of (path_regex, recipe) pairs, e.g. "
+            "[(r'.*mlp.*', 'mxfp4'), (r'.*', 'mxfp8')]"
+        )
+        if isinstance(rules, (str, bytes, re.Pattern)) or not isinstance(rules, Iterable):
+            raise TypeError(f"{shape_hint}; got {type(rules).__name__} {rules!r}")
+        if isinstance(rules, dict):
+            raise TypeError(f"{shape_hint}; got a dict (rule order matters: use a list)")
+        items = list(rules)
+        if (
+            len(items) == 2
+            and isinstance(items[0], (str, re.Pattern))
+            and isinstance(items[1], (str, Recipe))
+            and isinstance(rules, tuple)
+        ):
+            raise TypeError(f"{shape_hint}; got a single pair {rules!r}: wrap it in a list")
+        out = []
+        for i, item in enumerate(items):
+            if isinstance(item, Rule):
+                out.append(item)
+                continue
+            if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 2:
+                raise TypeError(f"{shape_hint}; rule {i} is {item!r}")
+            pattern, recipe = item
+            if isinstance(pattern, re.Pattern):
+                pattern = pattern.pattern
+            if not isinstance(pattern, str):
+                raise TypeError(
+                    f"rule {i}: the path regex must be a str, got {type(pattern).__name__}"
+                )
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"rule {i}: bad path regex {pattern!r}: {e}") from None
+            try:
+                recipe = _recipes.get(recipe)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"rule {i} ({pattern!r}): {e}") from None
+            out.append(Rule(pattern, recipe))
+        return cls(tuple(out))
+
+    def match(self, path: str) -> Recipe | None:
+        """The recipe of the first rule whose regex fullmatches ``path``; None if none does."""
+        for rule in self.rules:
+            if rule.regex.fullmatch(path):
+                return rule.recipe
+        return None
+
+    def active(self, path: str) -> Recipe | None:
+        """Like :meth:`match`, but None also for the identity recipe (``"none"``)."""
+        r = self.match(path)
+        return None if r is None or r.is_identity else r
+
+
+def path_str(path: Iterable[Any]) -> str:
+    """``("block", 0, "mlp")`` -> ``"block/0/mlp"``."""
+    return "/".join(str(p) for p in path)
+
+
+# --------------------------------------------------------------------------------------------
+# Keys
+
+
+def why_key(recipe: Recipe) -> str:
+    parts = []
+    if any(g.stochastic for g in (recipe.fwd, recipe.dlhs, recipe.drhs)):
+        parts.append("stochastic rounding")
+    if any(g.hadamard and g.random_signs for g in (recipe.fwd, recipe.dlhs, recipe.drhs)):
+        parts.append("random Hadamard signs")
+    return " and ".join(parts) or "random numbers"
+
+
+def missing_stream_error(recipe: Recipe, where: str, fix: str) -> ValueError:
+    return ValueError(
+        f"{where} uses recipe {recipe.name!r}, which needs PRNG keys ({why_key(recipe)}), but "
+        f"there is no {QUANT_STREAM!r} rng stream: {fix}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The quantized ops (what every injected callable ends in)
+
+
+def _hp_dot(lhs, rhs, dn, out_dtype):
+    """The emulated GEMM with both operands kept: float32 in, float32 accumulation (exactly
+    what :func:`lowbit.dot_general` does after quantizing its operands)."""
+    y = lax.dot_general(
+        lhs.astype(jnp.float32),
+        rhs.astype(jnp.float32),
+        dn,
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+    return y.astype(out_dtype)
+
+
+def qdot_general(
+    lhs,
+    rhs,
+    dimension_numbers,
+    recipe: Recipe,
+    key=None,
+    precision=None,
+    preferred_element_type=None,
+    out_sharding=None,
+):
+    """:func:`lowbit.dot_general` with Flax's keyword arguments (``out_sharding``)."""
+    if recipe.name.endswith(SERVING_SUFFIX) and recipe.is_identity:
+        # A pre-quantized weight and a float activation: the GEMM lowbit would run.
+        out = jnp.dtype(
+            preferred_element_type
+            if preferred_element_type is not None
+            else jnp.result_type(lhs.dtype, rhs.dtype)
+        )
+        (lc, rc), (lb_, rb) = dimension_numbers
+        dn = ((tuple(lc), tuple(rc)), (tuple(lb_), tuple(rb)))
+        y = _hp_dot(lhs, rhs, dn, out)
+    else:
+        y = lb.dot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            recipe=recipe,
+            key=key,
+            preferred_element_type=preferred_element_type,
+            precision=precision,
+        )
+    if out_sharding is not None:
+        y = jax.lax.with_sharding_constraint(y, out_sharding)
+    return y
+
+
+def expand_ellipsis(subscripts: str, lhs_ndim: int, rhs_ndim: int) -> str:
+    """Name the axes an einsum's ``...`` stands for (``lowbit.einsum`` names every axis).
+
+    >>> expand_ellipsis("...qhd,...khd->...hqk", 4, 4)
+    'Aqhd,Akhd->Ahqk'
+    """
+    s = subscripts.replace(" ", "")
+    if "..." not in s:
+        return s
+    if "->" not in s:
+        raise ValueError(f"einsum {subscripts!r}: an explicit output ('->') is needed")
+    ins, out = s.split("->")
+    try:
+        a, b = ins.split(",")
+    except ValueError:
+        raise ValueError(f"einsum {subscripts!r}: two operands expected") from None
+    free = [c for c in string.ascii_uppercase + string.ascii_lowercase if c not in s]
+
+    def n_ell(t, nd):
+        return nd - (len(t) - 3) if "..." in t else 0
+
+    na, nb = n_ell(a, lhs_ndim), n_ell(b, rhs_ndim)
+    if na < 0 or nb < 0:
+        raise ValueError(f"einsum {subscripts!r}: more labels than operand dimensions")
+    n = max(na, nb)
+    ell = "".join(free[:n])
+    a = a.replace("...", ell[n - na :])
+    b = b.replace("...", ell[n - nb :])
+    out = out.replace("...", ell)
+    return f"{a},{b}->{out}"
+
+
+def qeinsum(
+    subscripts: str,
+    lhs,
+    rhs,
+    recipe: Recipe,
+    key=None,
+    precision=None,
+    preferred_element_type=None,
+    out_sharding=None,
+    **unused,
+):
+    """:func:`lowbit.einsum` for Flax call sites (``...`` allowed, Flax's keyword arguments)."""
+    del precision, unused  # quantized GEMMs accumulate in float32
+    eq = expand_ellipsis(subscripts, lhs.ndim, rhs.ndim)
+    y = lb.einsum(
+        eq, lhs, rhs, recipe=recipe, key=key, preferred_element_type=preferred_element_type
+    )
+    if out_sharding is not None:
+        y = jax.lax.with_sharding_constraint(y, out_sharding)
+    return y
+
+
+def einsum_rhs_layout(subscripts: str, lhs_ndim: int, rhs_ndim: int) -> Layout | None:
+    """Where :func:`lowbit.einsum` puts the weight's blocks: the rhs's last contracting axis
+    (in lhs label order) and its last free axis. None when an axis is summed out first."""
+    eq = expand_ellipsis(subscripts, lhs_ndim, rhs_ndim)
+    ins, out = eq.split("->")
+    a, b = ins.split(",")
+    if any(c not in a and c not in out for c in b):
+        return None
+    contract = [c for c in a if c in b and c not in out]
+    if not contract:
+        return None
+    free = [i for i, c in enumerate(b) if c not in a]
+    return Layout(b.index(contract[-1]), free[-1] if free else None)
+
+
+def dot_rhs_layout(dimension_numbers, rhs_ndim: int) -> Layout | None:
+    """The rhs's last contracting axis and last free axis of a ``dot_general``."""
+    (_, rc), (_, rb) = dimension_numbers
+    rc = [int(a) % rhs_ndim for a in rc]
+    rb = [int(a) % rhs_ndim for a in rb]
+    if not rc:
+        return None
+    free = [i for i in range(rhs_ndim) if i not in rc and i not in rb]
+    return Layout(rc[-1], free[-1] if free else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Sites, layouts, packed weights
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a weight enters its GEMM: the axis its blocks run along (the contraction axis) and
+    the free axis a 2-D tile also spans."""
+
+    axis: int
+    other_axis: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One quantizable GEMM of a model."""
+
+    path: str  # module path ("mlp/up"), or attention path + "/attn_scores"
+    kind: str  # "dot_general", "einsum", "attn_scores", "attn_values"
+    module: str  # module class name
+    recipe: Recipe | None  # None: no rule matched (or "none")
+    kernel: str | None = None  # param path of the weight ("mlp/up/kernel"); None: no weight
+    shape: tuple[int, ...] | None = None
+    dtype: Any = None
+    layout: Layout | None = None
+
+
+SERVING_SUFFIX = "@packed"
+
+
+def weight_spec(recipe: Recipe, where: str = "") -> QuantSpec | None:
+    """The forward weight spec of ``recipe``, checked for packing (None: the forward keeps
+    the weight in high precision)."""
+    spec = recipe.fwd.rhs
+    at = f" (at {where!r})" if where else ""
+    if recipe.fwd.hadamard:
+        raise ValueError(
+            f"recipe {recipe.name!r}{at} applies a Hadamard transform in the forward GEMM, so "
+            "its quantized weight lives in the rotated basis; pack() supports recipes whose "
+            "forward quantizes the weight directly (e.g. 'qat_mxfp4', 'nvfp4', 'mxfp8')"
+        )
+    if spec is None:
+        return None
+    if spec.granularity != "block":
+        raise ValueError(
+            f"recipe {recipe.name!r}{at} scales the weight per tensor ({spec.format}); pack() "
+            "stores block formats (QArray)"
+        )
+    if spec.stochastic:
+        raise ValueError(
+            f"recipe {recipe.name!r}{at} rounds the weight stochastically in the forward; "
+            "a packed weight must be deterministic"
+        )
+    if spec.prescale != 1.0:
+        raise ValueError(f"recipe {recipe.name!r}{at}: a forward weight prescale is not packable")
+    return spec
+
+
+def serving_recipe(recipe: Recipe) -> Recipe:
+    """The forward of ``recipe`` for a weight that :func:`pack` already quantized: the
+    activation is quantized as in ``recipe``, the weight enters as it is (no backward)."""
+    weight_spec(recipe)
+    return Recipe(
+        recipe.name + SERVING_SUFFIX,
+        fwd=GemmSpec(recipe.fwd.lhs, None, random_signs=recipe.fwd.random_signs),
+        description=f"forward of {recipe.name!r} on a pre-quantized (packed) weight",
+        source=recipe.source,
+    )
+
+
+def pack_weight(w: jax.Array, spec: QuantSpec, layout: Layout) -> lb.QArray:
+    """Quantize a weight exactly as the forward GEMM does (bit for bit), packed."""
+    return _pack_weight(w, spec, layout.axis, layout.other_axis)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _pack_weight(w, spec: QuantSpec, axis: int, other_axis: int | None) -> lb.QArray:
+    # One compiled computation per (shape, spec) rather than op by op.
+    from lowbit.dot_general import quantize_operand
+
+    return quantize_operand(w, spec, axis, other_axis, None, packed=True)
+
+
+def is_qarray(x) -> bool:
+    return isinstance(x, lb.QArray)
+
+
+def keypath_str(keypath) -> tuple[str, ...]:
+    """A jax key path as plain names (NNX Variables' ``.value`` dropped)."""
+    out = []
+    for k in keypath:
+        if isinstance(k, jax.tree_util.DictKey):
+            out.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            if k.name not in ("value", "raw_value", "_raw_value"):
+                out.append(k.name)
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            out.append(str(k.key))
+        else:  # pragma: no cover - other key kinds
+            out.append(str(k))
+    return tuple(out)
+
+
+def bits_of(x) -> float:
+    """Storage bits per element of a float leaf."""
+    return 8.0 * np.dtype(x.dtype).itemsize

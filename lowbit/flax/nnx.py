@@ -1,0 +1,368 @@
+"""NNX: quantized ``dot_general`` / einsum / attention modules, and rules by graph traversal.
+
+Keys come from an ``nnx.Rngs`` stream named ``"quant"`` given when the quantized op is built
+(``DotGeneral("nvfp4", rngs=nnx.Rngs(quant=0))``): every call that needs a key draws the next
+one from the stream, whose counter is model state (it advances under ``nnx.jit`` and is
+split / merged with the model). Ops whose recipe needs no key hold no stream.
+
+:func:`quantize` walks the model graph (``nnx.iter_modules``) and sets, on each module whose
+path matches a rule, its injection point: ``dot_general`` (``Linear``, ``LinearGeneral`` and
+any module with such an attribute), ``einsum_op`` (``Einsum``), ``attention_fn``
+(``MultiHeadAttention``; its score and value einsums are the sites ``<path>/attn_scores``
+and ``<path>/attn_values``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+from flax.linen import attention as _linen_attention
+from flax.nnx.nn import dtypes as _dtypes
+
+from lowbit import recipes as _recipes
+from lowbit.flax import _core
+from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Recipe, Rules
+
+__all__ = ["DotGeneral", "Einsum", "Attention", "PackedModel", "quantize", "sites"]
+
+
+def _stream(rngs, recipes: tuple[Recipe, ...], where: str):
+    """The ``"quant"`` RngStream of ``rngs`` when some recipe needs keys, else None."""
+    needing = [r for r in recipes if r.needs_key]
+    if not needing:
+        return None
+    fix = "pass rngs=nnx.Rngs(quant=seed)"
+    if isinstance(rngs, nnx.RngStream):
+        return rngs
+    if rngs is None:
+        raise _core.missing_stream_error(needing[0], where, fix)
+    if not isinstance(rngs, nnx.Rngs):
+        raise TypeError(f"rngs must be an nnx.Rngs (with a 'quant' stream), got {type(rngs)}")
+    if _core.QUANT_STREAM not in rngs:
+        raise _core.missing_stream_error(
+            needing[0], where, fix + f" (these rngs have streams {sorted(_names(rngs))})"
+        )
+    return rngs[_core.QUANT_STREAM]
+
+
+def _names(rngs: nnx.Rngs) -> list[str]:
+    return [k for k, v in vars(rngs).items() if isinstance(v, nnx.RngStream)]
+
+
+def _draw(stream, recipe: Recipe):
+    return stream() if recipe.needs_key else None
+
+
+class DotGeneral(nnx.Module):
+    """A quantized ``dot_general`` for ``nnx.Linear(dot_general=...)`` / ``LinearGeneral``.
+
+    >>> import jax.numpy as jnp, lowbit.flax as lbf
+    >>> from flax import nnx
+    >>> layer = nnx.Linear(32, 8, dot_general=lbf.nnx.DotGeneral("mxfp4"), rngs=nnx.Rngs(0))
+    >>> nnx.jit(layer)(jnp.ones((4, 32))).shape
+    (4, 8)
+    """
+
+    def __init__(self, recipe: Recipe | str, *, rngs: nnx.Rngs | None = None):
+        self.recipe = _recipes.get(recipe)
+        self.stream = nnx.data(_stream(rngs, (self.recipe,), f"DotGeneral({self.recipe.name!r})"))
+
+    def __call__(
+        self,
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=None,
+        preferred_element_type=None,
+        out_sharding=None,
+    ):
+        return _core.qdot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            self.recipe,
+            _draw(self.stream, self.recipe),
+            precision=precision,
+            preferred_element_type=preferred_element_type,
+            out_sharding=out_sharding,
+        )
+
+
+class Einsum(nnx.Module):
+    """A quantized two-operand einsum, for ``nnx.Einsum(einsum_op=...)``.
+
+    >>> import jax.numpy as jnp, lowbit.flax as lbf
+    >>> from flax import nnx
+    >>> layer = nnx.Einsum("btd,dhk->bthk", (32, 2, 8), einsum_op=lbf.nnx.Einsum("mxfp8"),
+    ...                    rngs=nnx.Rngs(0))
+    >>> nnx.jit(layer)(jnp.ones((1, 4, 32))).shape
+    (1, 4, 2, 8)
+    """
+
+    def __init__(self, recipe: Recipe | str, *, rngs: nnx.Rngs | None = None):
+        self.recipe = _recipes.get(recipe)
+        self.stream = nnx.data(_stream(rngs, (self.recipe,), f"Einsum({self.recipe.name!r})"))
+
+    def __call__(
+        self, subscripts, lhs, rhs, precision=None, preferred_element_type=None, out_sharding=None
+    ):
+        return _core.qeinsum(
+            subscripts,
+            lhs,
+            rhs,
+            self.recipe,
+            _draw(self.stream, self.recipe),
+            preferred_element_type=preferred_element_type,
+            out_sharding=out_sharding,
+        )
+
+
+class Attention(nnx.Module):
+    """Dot-product attention whose ``q k^T`` and ``p v`` einsums are quantized, for
+    ``nnx.MultiHeadAttention(attention_fn=...)``. ``scores`` / ``values``: their recipes.
+
+    It is Flax's ``dot_product_attention`` (masking, softmax, dropout) with the two einsums
+    injected; grouped-query attention repeats key / value heads first. Attention weights are
+    not sown.
+
+    >>> import jax.numpy as jnp, lowbit.flax as lbf
+    >>> from flax import nnx
+    >>> mha = nnx.MultiHeadAttention(2, 64, attention_fn=lbf.nnx.Attention("mxfp8", "mxfp8"),
+    ...                              decode=False, rngs=nnx.Rngs(0))
+    >>> nnx.jit(mha)(jnp.ones((1, 32, 64))).shape
+    (1, 32, 64)
+    """
+
+    def __init__(
+        self,
+        scores: Recipe | str | None = None,
+        values: Recipe | str | None = None,
+        *,
+        rngs: nnx.Rngs | None = None,
+    ):
+        self.scores = _recipes.get(scores)
+        self.values = _recipes.get(values)
+        where = f"Attention({self.scores.name!r}, {self.values.name!r})"
+        self.stream = nnx.data(_stream(rngs, (self.scores, self.values), where))
+
+    def __call__(
+        self,
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        broadcast_dropout=True,
+        dropout_rng=None,
+        dropout_rate=0.0,
+        deterministic=False,
+        dtype=None,
+        precision=None,
+        module=None,
+        promote_dtype=_dtypes.promote_dtype,
+        is_causal=False,
+    ):
+        del precision, module  # quantized GEMMs accumulate in float32; nothing is sown
+        query, key, value = promote_dtype((query, key, value), dtype=dtype)
+        if query.shape[-2] != key.shape[-2]:  # grouped-query attention
+            rep = query.shape[-2] // key.shape[-2]
+            key = jnp.repeat(key, rep, axis=-2)
+            value = jnp.repeat(value, rep, axis=-2)
+        if is_causal:
+            causal = nnx.make_causal_mask(jnp.ones(query.shape[:-2]), dtype=jnp.bool_)
+            mask = causal if mask is None else nnx.combine_masks(mask, causal)
+        ks = _draw(self.stream, self.scores)
+        kv = _draw(self.stream, self.values)
+        return _linen_attention.dot_product_attention(
+            query,
+            key,
+            value,
+            bias=bias,
+            mask=mask,
+            broadcast_dropout=broadcast_dropout,
+            dropout_rng=dropout_rng,
+            dropout_rate=dropout_rate,
+            deterministic=deterministic,
+            dtype=dtype,
+            qk_attn_weights_einsum=functools.partial(_core.qeinsum, recipe=self.scores, key=ks),
+            attn_weights_value_einsum=functools.partial(_core.qeinsum, recipe=self.values, key=kv),
+        )
+
+
+_OURS = (DotGeneral, Einsum, Attention)
+
+
+# --------------------------------------------------------------------------------------------
+# Sites and rules
+
+
+def _kernel(m) -> nnx.Param | None:
+    k = getattr(m, "kernel", None)
+    return k if isinstance(k, nnx.Variable) else None
+
+
+def _layout(m, kernel_shape) -> _core.Layout | None:
+    if isinstance(m, nnx.Linear):
+        return _core.Layout(0, 1)
+    if isinstance(m, nnx.LinearGeneral):
+        nb, ni = len(m.batch_axis), len(m.in_features)
+        return _core.Layout(nb + ni - 1, len(kernel_shape) - 1 if m.out_features else None)
+    if isinstance(m, nnx.Einsum) and m.einsum_str is not None:
+        eq = m.einsum_str.replace(" ", "")
+        a, rest = eq.split(",", 1)
+        b = rest.split("->")[0]
+        nb = len(kernel_shape) - (len(b) - 3) if "..." in b else 0
+        lhs_ndim = len(a.replace("...", "")) + (max(nb, 1) if "..." in a else 0)
+        return _core.einsum_rhs_layout(eq, lhs_ndim, len(kernel_shape))
+    return None
+
+
+def sites(model: nnx.Module, rules) -> list[_core.Site]:
+    """The quantizable sites of an NNX model (no tracing: read from the module graph)."""
+    rules = Rules.of(rules)
+    out = []
+    for path, m in nnx.iter_modules(model):
+        if isinstance(m, _OURS):
+            continue
+        p = _core.path_str(path)
+        name = type(m).__name__
+        kernel = _kernel(m)
+        kpath = (f"{p}/kernel" if p else "kernel") if kernel is not None else None
+        shape = tuple(kernel.shape) if kernel is not None else None
+        dtype = kernel.dtype if kernel is not None else None
+        if hasattr(m, "einsum_op"):
+            layout = _layout(m, shape) if kernel is not None else None
+            out.append(_core.Site(p, "einsum", name, rules.match(p), kpath, shape, dtype, layout))
+        elif hasattr(m, "dot_general"):
+            layout = _layout(m, shape) if kernel is not None else None
+            out.append(
+                _core.Site(p, "dot_general", name, rules.match(p), kpath, shape, dtype, layout)
+            )
+        elif hasattr(m, "attention_fn"):
+            for kind in (ATTN_SCORES, ATTN_VALUES):
+                sp = f"{p}/{kind}" if p else kind
+                out.append(_core.Site(sp, kind, name, rules.match(sp)))
+    return out
+
+
+def quantize(
+    model: nnx.Module, rules, *, rngs: nnx.Rngs | None = None, packed: bool = False
+) -> nnx.Module:
+    """See :func:`lowbit.flax.quantize`. Returns a new model (``nnx.clone``: new Variables
+    sharing the arrays); ``model`` is left as it was.
+
+    ``packed=True`` builds the serving structure :class:`PackedModel` uses: its weights must
+    then be ``unpack(pack(...))``; with float weights they would enter unquantized."""
+    rules = Rules.of(rules)
+    new = nnx.clone(model)
+    plan: list[tuple[Any, str, Any]] = []
+    for path, m in nnx.iter_modules(new):
+        if isinstance(m, _OURS):
+            continue
+        p = _core.path_str(path)
+        where = f"module {p!r} ({type(m).__name__})"
+        if hasattr(m, "einsum_op") or hasattr(m, "dot_general"):
+            r = rules.active(p)
+            if r is None:
+                continue
+            if packed:
+                _core.weight_spec(r, p)
+                s = _core.serving_recipe(r)
+                if s.is_identity and r.fwd.rhs is None:
+                    continue
+                r = s
+            if hasattr(m, "einsum_op"):
+                plan.append((m, "einsum_op", Einsum(r, rngs=_rngs_for(rngs, r, where))))
+            else:
+                plan.append((m, "dot_general", DotGeneral(r, rngs=_rngs_for(rngs, r, where))))
+                if getattr(m, "dot_general_cls", None) is not None:
+                    plan.append((m, "dot_general_cls", None))
+        elif hasattr(m, "attention_fn"):
+            ps = f"{p}/{ATTN_SCORES}" if p else ATTN_SCORES
+            pv = f"{p}/{ATTN_VALUES}" if p else ATTN_VALUES
+            rs, rv = rules.active(ps), rules.active(pv)
+            if rs is None and rv is None:
+                continue
+            none = _recipes.get("none")
+            rs, rv = rs or none, rv or none
+            _stream(rngs, (rs, rv), where)
+            plan.append((m, "attention_fn", Attention(rs, rv, rngs=rngs)))
+    for m, attr, value in plan:
+        setattr(m, attr, nnx.data(value) if isinstance(value, nnx.Module) else value)
+    return new
+
+
+def _rngs_for(rngs, recipe: Recipe, where: str):
+    """Validate ``rngs`` for ``recipe`` with an error that names the module."""
+    _stream(rngs, (recipe,), where)
+    return rngs
+
+
+# --------------------------------------------------------------------------------------------
+# Packed inference
+
+
+class PackedModel(nnx.Module):
+    """An NNX model for inference from packed weights: QArrays that are dequantized inside the
+    computation (XLA) at every call, with activations quantized as the rules' recipes say.
+    Outputs equal, bit for bit, those of ``lowbit.flax.quantize(model, rules)`` (forward-only
+    recipes) with the float weights that were packed.
+
+    ``model`` gives the structure (its float weights are dropped); ``packed`` is the output of
+    :func:`lowbit.flax.pack` (default: pack ``model``'s own weights). ``method``: the method of
+    the model that ``__call__`` runs.
+
+    >>> import jax.numpy as jnp, lowbit.flax as lbf
+    >>> from flax import nnx
+    >>> model = nnx.Linear(64, 8, rngs=nnx.Rngs(0))
+    >>> served = lbf.nnx.PackedModel(model, [(".*", "qat_mxfp4")])
+    >>> type(served.params["kernel"].get_value()).__name__
+    'QArray'
+    >>> y = nnx.jit(served)(jnp.ones((2, 64)))
+    >>> bool(jnp.all(y == nnx.jit(lbf.quantize(model, [(".*", "qat_mxfp4")]))(jnp.ones((2, 64)))))
+    True
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        rules,
+        packed=None,
+        *,
+        method: str = "__call__",
+        rngs: nnx.Rngs | None = None,
+    ):
+        from lowbit.flax.packing import pack
+
+        rules = Rules.of(rules)
+        if packed is None:
+            packed = pack(model, rules)
+        serving = quantize(model, rules, rngs=rngs, packed=True)
+        graphdef, _, rest = nnx.split(serving, nnx.Param, ...)
+        self.graphdef = graphdef
+        self.method = method
+        self.params = nnx.data(packed)
+        self.rest = nnx.data(rest)
+
+    def model(self) -> nnx.Module:
+        """The serving model with its weights dequantized (call inside a jitted function)."""
+        from lowbit.flax.packing import unpack
+
+        return nnx.merge(self.graphdef, unpack(self.params), self.rest)
+
+    def __call__(self, *args, **kwargs):
+        # merge() reuses the Variables of ``rest`` (rng streams): their updates persist
+        return getattr(self.model(), self.method)(*args, **kwargs)
+
+
+def param_state(model_or_state) -> Any:
+    if isinstance(model_or_state, nnx.Module):
+        return nnx.state(model_or_state, nnx.Param)
+    return model_or_state
+
+
+def is_module(x) -> bool:
+    return isinstance(x, nnx.Module)

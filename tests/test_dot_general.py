@@ -1,0 +1,906 @@
+"""Tests for lowbit.dot_general: the three quantized GEMMs of every recipe, against references.
+
+The reference (``reference`` below) is written from the semantics in lowbit/recipes.py, not
+from dot_general.py's internals: each of the three GEMMs (``fwd``: lhs, rhs; ``dlhs``: dy, rhs;
+``drhs``: lhs, dy) transforms its operands along its own contraction axis with its Hadamard
+block (signs ``_signs(gemm, key, tag)``), fake-quantizes each operand along that axis with
+``quantize_operand`` (2-D tiles spanning that axis and the operand's last other axis, rounding
+keys ``_fold(key, tag, operand)``) and multiplies with ``lax.dot_general`` at HIGHEST precision
+and float32 accumulation. The backward GEMMs' dimension numbers are written out by hand for
+each case (2-D, batched, two contracting dims). A None backward spec is straight-through: the
+forward-quantized operand with the forward Hadamard undone (dy: high precision).
+
+Sections: 1. every recipe against the reference, both residual modes; 2. QAT recipes against
+``jax.vjp`` of a fake-quantized forward; 3. "none" is ``lax.dot_general``; 4. stochastic
+rounding (key dependence, unbiasedness over keys); 5. Hadamard transforms; 6. NVFP4 keeps
+tiny gradients; 7. jit, vmap, remat, sharding; 8. einsum; 9. argument errors.
+
+Tolerances. Where the library and the reference run the same float32 operations the results
+are compared for exact equality. Where a transformation may change the order in which a GEMM
+sums its products (sharding splits the contraction across devices) two float32 evaluations of
+``sum_i a_i b_i`` each lie within ``gamma_n * sum_i |a_i b_i|`` of the exact sum
+(``gamma_n = n u / (1 - n u)``, ``u = 2**-24``, Higham, Accuracy and Stability, 3.1), so they
+differ by at most ``2 gamma_n (|A| |B|)``, computed per element from the quantized operands
+(``gemm_tol``). Statistical tests state their bounds where they are made.
+
+Run time: compiling dominates, so programs are shared between tests (see ``checked``); the
+batched and two-contracting-dims cases of recipes that differ from others only in element
+format are marked slow (``make test-slow``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import lowbit as lb
+from lowbit import recipes
+from lowbit.dot_general import _fold, _signs, quantize_operand
+from lowbit.hadamard import hadamard_transform
+from lowbit.recipes import GemmSpec, QuantSpec, Recipe
+
+U32 = 2.0**-24  # float32 unit roundoff
+ALL = recipes.names()
+QAT = [n for n in ALL if n.startswith("qat_")]
+KEY = jax.random.key(1234)
+HIGHEST = lax.Precision.HIGHEST
+TAGS = {"fwd": 0, "dlhs": 1, "drhs": 2}  # fold_in tags of the three GEMMs
+
+
+def _normal(seed, shape, scale=1.0):
+    return scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _dot(a, b, dn):
+    return lax.dot_general(a, b, dn, precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+def gemm_tol(a, b, dn):
+    """Largest difference between two float32 summation orders of ``dot_general(a, b, dn)``:
+    ``2 gamma_n (|A| |B|)``; the extra ``(1 + gamma_n)`` covers the rounding of ``|A| |B|``
+    itself (a sum of non-negative terms), ``n * 2**-126`` the CPU's flush of subnormals."""
+    (lc, _), _ = dn
+    n = math.prod(a.shape[i] for i in lc)
+    gamma = n * U32 / (1 - n * U32)
+    return 2 * gamma * (1 + gamma) * _dot(jnp.abs(a), jnp.abs(b), dn) + n * 2.0**-126
+
+
+def assert_within(actual, expected, tol):
+    err = np.abs(np.asarray(actual, np.float64) - np.asarray(expected, np.float64))
+    tol = np.asarray(tol, np.float64)
+    bad = err > tol
+    assert not np.any(bad), f"{np.sum(bad)} elements off, worst err / tol {np.max(err / tol)}"
+
+
+def assert_equal(tree_a, tree_b):
+    for a, b in zip(jax.tree.leaves(tree_a), jax.tree.leaves(tree_b), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def rel_err(a, ref):
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(a - ref) / np.linalg.norm(ref)
+
+
+# ------------------------------------------------------------------------------------------
+# The reference
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A dot_general and, written out by hand, the layout of its three GEMMs.
+
+    Each operand entry is ``(block axis, the tile's other axis)``: the GEMM's last contracting
+    axis of that operand, and the operand's last other (free) axis. ``dlhs_dn`` contracts the
+    rhs's free dims of ``(dy, rhs)``, ``drhs_dn`` the lhs's free dims of ``(lhs, dy)``.
+    """
+
+    id: str
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    dn: tuple
+    fwd_lhs: tuple[int, int]
+    fwd_rhs: tuple[int, int]
+    dlhs_dy: tuple[int, int]
+    dlhs_rhs: tuple[int, int]
+    dlhs_dn: tuple
+    drhs_lhs: tuple[int, int]
+    drhs_dy: tuple[int, int]
+    drhs_dn: tuple
+
+
+# fmt: off
+M, K, N, B = 64, 128, 64, 2
+MK_KN = Case(  # y[m,n] = x[m,k] w[k,n]; dy [M, N]
+    "mk,kn->mn", (M, K), (K, N), (((1,), (0,)), ((), ())),
+    fwd_lhs=(1, 0), fwd_rhs=(0, 1),
+    dlhs_dy=(1, 0), dlhs_rhs=(1, 0), dlhs_dn=(((1,), (1,)), ((), ())),  # dx[m,k] = dy[m,n] w[k,n]
+    drhs_lhs=(0, 1), drhs_dy=(0, 1), drhs_dn=(((0,), (0,)), ((), ())),  # dw[k,n] = x[m,k] dy[m,n]
+)
+BMK_BKN = Case(  # batched; dy [B, M, N]
+    "bmk,bkn->bmn", (B, M, K), (B, K, N), (((2,), (1,)), ((0,), (0,))),
+    fwd_lhs=(2, 1), fwd_rhs=(1, 2),
+    dlhs_dy=(2, 1), dlhs_rhs=(2, 1), dlhs_dn=(((2,), (2,)), ((0,), (0,))),  # dx[b,m,k]
+    drhs_lhs=(1, 2), drhs_dy=(1, 2), drhs_dn=(((1,), (1,)), ((0,), (0,))),  # dw[b,k,n]
+)
+MAB_ABN = Case(  # two contracting dims (a, b); blocks run along the last one, b; dy [M, N]
+    "mab,abn->mn", (M, B, 64), (B, 64, N), (((1, 2), (0, 1)), ((), ())),
+    fwd_lhs=(2, 0), fwd_rhs=(1, 2),
+    dlhs_dy=(1, 0), dlhs_rhs=(2, 1), dlhs_dn=(((1,), (2,)), ((), ())),  # dx[m,a,b]
+    drhs_lhs=(0, 2), drhs_dy=(0, 1), drhs_dn=(((0,), (0,)), ((), ())),  # dw[a,b,n]
+)
+# fmt: on
+CASES = [MK_KN, BMK_BKN, MAB_ABN]
+CASE = {c.id: c for c in CASES}
+DN = MK_KN.dn
+
+
+def _hadamard(x, axis, gemm: GemmSpec, signs, inverse=False):
+    if not gemm.hadamard:
+        return x
+    y = hadamard_transform(jnp.moveaxis(x, axis, -1), gemm.hadamard, signs=signs, inverse=inverse)
+    return jnp.moveaxis(y, -1, axis)
+
+
+def _operand(x, spec, gemm, axes, key, signs):
+    axis, other = axes
+    x = x.astype(jnp.float32)
+    if spec is not None or gemm.hadamard:
+        # An identity: keeps XLA from fusing the operand's producer into the quantizer, as
+        # the library does, so that one program holding both compiles faster.
+        x = lax.optimization_barrier(x)
+    x = _hadamard(x, axis, gemm, signs)
+    return quantize_operand(x, spec, axis, other, key)
+
+
+def reference(x, w, dy, key, case: Case, recipe: Recipe):
+    """``(y, dx, dw)`` and the quantized operands of each GEMM, quantized by hand."""
+    kd = None if key is None else jax.random.key_data(key)
+    f, dl, dr = recipe.fwd, recipe.dlhs, recipe.drhs
+    s_f, s_dl, s_dr = (_signs(g, kd, TAGS[t]) for g, t in ((f, "fwd"), (dl, "dlhs"), (dr, "drhs")))
+    x_f = _operand(x, f.lhs, f, case.fwd_lhs, _fold(kd, 0, 0), s_f)
+    w_f = _operand(w, f.rhs, f, case.fwd_rhs, _fold(kd, 0, 1), s_f)
+    # Straight-through: the operand as the forward saw it, forward Hadamard undone.
+    w_ste = _hadamard(w_f, case.fwd_rhs[0], f, s_f, inverse=True)
+    x_ste = _hadamard(x_f, case.fwd_lhs[0], f, s_f, inverse=True)
+    dy_dl = _operand(dy, dl.lhs, dl, case.dlhs_dy, _fold(kd, 1, 0), s_dl)
+    w_dl = _operand(
+        w if dl.rhs is not None else w_ste, dl.rhs, dl, case.dlhs_rhs, _fold(kd, 1, 1), s_dl
+    )
+    x_dr = _operand(
+        x if dr.lhs is not None else x_ste, dr.lhs, dr, case.drhs_lhs, _fold(kd, 2, 0), s_dr
+    )
+    dy_dr = _operand(dy, dr.rhs, dr, case.drhs_dy, _fold(kd, 2, 1), s_dr)
+    out = (
+        _dot(x_f, w_f, case.dn),
+        _dot(dy_dl, w_dl, case.dlhs_dn),
+        _dot(x_dr, dy_dr, case.drhs_dn),
+    )
+    ops = ((x_f, w_f), (dy_dl, w_dl), (x_dr, dy_dr))
+    return out, ops
+
+
+def value_and_grads(x, w, dy, key, dn, recipe):
+    """``(y, dx, dw)`` of lowbit's dot_general, gradients by ``jax.vjp`` with cotangent dy."""
+    y, vjp = jax.vjp(lambda a, b: lb.dot_general(a, b, dn, recipe=recipe, key=key), x, w)
+    return (y, *vjp(dy))
+
+
+def inputs(case: Case, seed=0):
+    x = _normal(seed, case.lhs_shape)
+    w = _normal(seed + 1, case.rhs_shape, 0.1)
+    y_shape = jax.eval_shape(functools.partial(_dot, dn=case.dn), x, w).shape
+    return x, w, _normal(seed + 2, y_shape, 0.01)
+
+
+# No registered recipe combines a forward Hadamard transform with straight-through backward
+# operands, or mixes None and quantized specs in one backward GEMM: this one does. Forward:
+# x clipped to 2.5 RMS and MXFP8, w in NVFP4 16x16 tiles, after a 32-point Hadamard
+# transform. dgrad: w straight-through (forward Hadamard undone, then dgrad's own 16-point
+# transform), dy stochastically rounded to MXFP6. wgrad: x straight-through, dy in FP8 with a
+# tensor scale, after a 16-point transform.
+MIXED = Recipe(
+    "mixed",
+    fwd=GemmSpec(
+        QuantSpec("mxfp8", clip_rms=2.5), QuantSpec("nvfp4", block_shape=(16, 16)), hadamard=32
+    ),
+    dlhs=GemmSpec(QuantSpec("mxfp6_e3m2", rounding="stochastic"), None, hadamard=16),
+    drhs=GemmSpec(None, QuantSpec("e5m2", granularity="tensor"), hadamard=16),
+)
+
+# Compiling dominates the run time (each program runs in microseconds), so a recipe's
+# reference checks, vmap and remat share one cached program; the "plain call" of the
+# transformation tests is the output that test_matches_reference checks. Recipes that differ
+# only in name (format aliases) share it. The batched and two-contracting-dims cases run by
+# default for recipes that together take every path of dot_general (per-tensor scales,
+# NVFP4 tiles, Hadamard transforms in all three GEMMs, stochastic rounding, RMS clipping,
+# straight-through operands with the forward Hadamard undone); for the others, which differ
+# from these only in element formats, they are marked slow (make test-slow).
+FULL = ("none", "nvfp4", "mixed")
+ALL_IDS = tuple(c.id for c in CASES)
+
+
+def _canonical(name: str | Recipe) -> Recipe:
+    return recipes.get(name).replace(name="", description="", source="")
+
+
+def _group(name: str | Recipe, case_id: str) -> tuple[str, ...]:
+    """The cases compiled in one program with ``case_id`` for this recipe."""
+    if recipes.get(name).name in FULL:
+        return ALL_IDS
+    return (MK_KN.id,) if case_id == MK_KN.id else ALL_IDS[1:]
+
+
+@functools.cache
+def case_inputs():
+    return {c.id: inputs(c) for c in CASES}
+
+
+def _batch(x, dy):
+    """The batch for the vmap test: three different examples built from x and dy."""
+    return jnp.stack([x, -0.5 * x, x[::-1]]), jnp.stack([dy, dy[::-1], 2.0 * dy])
+
+
+@functools.cache
+def checked_program(recipe: Recipe, case_ids: tuple[str, ...]):
+    """jit: for each case ``(lowbit with residuals="high", with "quantized", the reference's
+    outputs and quantized operands)``; and, with the 2-D case, vmap over a batch of x and dy
+    and jax.checkpoint."""
+
+    def run(ins, key):
+        out = {}
+        for case_id in case_ids:
+            case, (x, w, dy) = CASE[case_id], ins[case_id]
+            high, quantized = (
+                value_and_grads(x, w, dy, key, case.dn, recipe.replace(residuals=r))
+                for r in ("high", "quantized")
+            )
+            out[case_id] = (high, quantized, *reference(x, w, dy, key, case, recipe))
+        if MK_KN.id in case_ids:
+            x, w, dy = ins[MK_KN.id]
+            xb, dyb = _batch(x, dy)
+            vg = functools.partial(value_and_grads, dn=DN, recipe=recipe)
+            out["vmap"] = jax.vmap(vg, in_axes=(0, None, 0, None))(xb, w, dyb, key)
+            g = jax.checkpoint(lambda a, b: lb.dot_general(a, b, DN, recipe=recipe, key=key))
+            y, vjp = jax.vjp(g, x, w)
+            out["remat"] = (y, *vjp(dy))
+        return out
+
+    return jax.jit(run)
+
+
+@functools.cache
+def _checked(recipe: Recipe, case_ids: tuple[str, ...]):
+    return checked_program(recipe, case_ids)({i: case_inputs()[i] for i in case_ids}, KEY)
+
+
+def checked(name: str | Recipe, what: str = MK_KN.id):
+    """A case's ``(high, quantized, reference outputs, reference operands)``, or "vmap" or
+    "remat" (2-D case)."""
+    ids = _group(name, what if what in CASE else MK_KN.id)
+    return _checked(_canonical(name), ids)[what]
+
+
+def plain_call(name, x, w, dy, key=KEY):
+    """``(y, dx, dw)`` of the plain (jitted) call on the 2-D case, for any x, w, dy, key."""
+    ids = _group(name, MK_KN.id)
+    ins = {i: case_inputs()[i] for i in ids} | {MK_KN.id: (x, w, dy)}
+    return checked_program(_canonical(name), ids)(ins, key)[MK_KN.id][0]
+
+
+# ------------------------------------------------------------------------------------------
+# 1. Every recipe against the reference
+
+
+def _reference_params():
+    params = []
+    for name in [*ALL, MIXED]:
+        n = recipes.get(name).name
+        for case in CASES:
+            slow = case is not MK_KN and n not in FULL
+            params.append(
+                pytest.param(
+                    name, case, id=f"{n}-{case.id}", marks=[pytest.mark.slow] if slow else []
+                )
+            )
+    return params
+
+
+@pytest.mark.parametrize("name,case", _reference_params())
+def test_matches_reference(name, case):
+    """Outputs and gradients equal the hand-quantized reference bit for bit (both run the
+    same float32 operations), with high-precision and with quantized residuals."""
+    high, quantized, ref, _ = checked(name, case.id)
+    assert_equal(high, ref)
+    assert_equal(quantized, ref)
+    # Not vacuous: the output changes exactly when the recipe quantizes the forward, and
+    # every recipe but "none" changes something.
+    x, w, dy = case_inputs()[case.id]
+    y, vjp = jax.vjp(lambda a, b: _dot(a, b, case.dn), x, w)
+    changed = [not np.array_equal(a, b) for a, b in zip(ref, (y, *vjp(dy)), strict=True)]
+    recipe = recipes.get(name)
+    assert changed[0] == recipe.fwd.active and any(changed) != recipe.is_identity
+
+
+# ------------------------------------------------------------------------------------------
+# 2. QAT recipes: straight-through gradients of the fake-quantized forward
+
+
+@pytest.mark.parametrize("name", QAT)
+def test_qat_gradients_are_straight_through(name):
+    fmt = recipes.get(name).fwd.lhs.format
+    x, w, dy = case_inputs()[MK_KN.id]
+
+    @jax.jit
+    def ste(x, w, dy):  # K is axis 1 of x and axis 0 of w
+        y, vjp = jax.vjp(
+            lambda x, w: lax.dot_general(
+                lb.fake_quantize(x, fmt, axis=1),
+                lb.fake_quantize(w, fmt, axis=0),
+                DN,
+                precision=HIGHEST,
+                preferred_element_type=jnp.float32,
+            ),
+            x,
+            w,
+        )
+        return (y, *vjp(dy))
+
+    assert_equal(checked(name)[0], ste(x, w, dy))
+
+
+# ------------------------------------------------------------------------------------------
+# 3. "none" is lax.dot_general
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_none_is_lax_dot_general(case):
+    x, w, dy = case_inputs()[case.id]
+    y, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, case.dn), x, w)
+    expected = (y, *vjp(dy))
+    for recipe in ("none", None, recipes.get("none")):
+        got = value_and_grads(x, w, dy, None, case.dn, recipe)
+        assert_equal(got, expected)
+
+
+def test_output_dtype_follows_lax_dot_general():
+    x, w, dy = (a.astype(jnp.bfloat16) for a in case_inputs()[MK_KN.id])
+    for name in ("none", "mxfp8", "nvfp4"):
+        out = jax.eval_shape(functools.partial(value_and_grads, dn=DN, recipe=name), x, w, dy, KEY)
+        assert [a.dtype for a in out] == [jnp.bfloat16] * 3
+        y32 = jax.eval_shape(
+            lambda x, w, n=name: lb.dot_general(
+                x, w, DN, recipe=n, key=KEY, preferred_element_type=jnp.float32
+            ),
+            x,
+            w,
+        )
+        assert y32.dtype == jnp.float32
+
+
+# ------------------------------------------------------------------------------------------
+# 4. Stochastic rounding
+
+
+@pytest.mark.parametrize("name", ["mxfp4_bwd", "nvfp4", "quartet"])
+def test_stochastic_gradients_depend_on_the_key(name):
+    x, w, dy = case_inputs()[MK_KN.id]
+    y1, dx1, dw1 = plain_call(name, x, w, dy, jax.random.key(1))
+    y2, dx2, dw2 = plain_call(name, x, w, dy, jax.random.key(2))
+    assert not np.array_equal(dx1, dx2) and not np.array_equal(dw1, dw2)
+    assert_equal((y1, dx1, dw1), plain_call(name, x, w, dy, jax.random.key(1)))
+
+
+def test_uint32_key_data_is_the_typed_key():
+    sr = QuantSpec("mxfp4", rounding="stochastic")
+    recipe = Recipe("sr_fwd", fwd=GemmSpec(sr, sr, hadamard=32))
+    x, w, _ = case_inputs()[MK_KN.id]
+    typed, data = jax.jit(
+        lambda x, w: [
+            lb.dot_general(x, w, DN, recipe=recipe, key=k) for k in (KEY, jax.random.key_data(KEY))
+        ]
+    )(x, w)
+    assert_equal(typed, data)
+
+
+def _sr_variance(v, spec: QuantSpec):
+    """Per-element variance of stochastic rounding of ``v [..., C, P]`` to an MX format in
+    blocks along ``C``: ``(a - lo)(hi - a)`` for ``a`` between the grid neighbours ``lo`` and
+    ``hi`` (at most ``step**2 / 4``), in units of the block scale, which the scale rule
+    (floor or rceil) takes from the block's absolute max after ``spec.prescale``. A clipped
+    element is deterministic (variance 0)."""
+    fmt = lb.formats.get(spec.format)
+    elem, bs = fmt.elem, fmt.block_size
+    v = np.asarray(v, np.float64) * spec.prescale
+    *lead, c, p = v.shape
+    blocks = np.abs(v).reshape(*lead, c // bs, bs, p)
+    amax = blocks.max(axis=-2, keepdims=True)
+    e = np.floor(np.log2(amax)) - elem.emax
+    if spec.scale_mode == "rceil":  # the smallest power of two with amax <= elem.max * 2**e
+        e = e + (amax > elem.max * 2.0**e)
+    else:
+        assert spec.scale_mode in (None, "floor")
+    scale = 2.0**e
+    a = np.minimum(blocks / scale, elem.max)
+    grid = elem.positive_grid
+    i = np.clip(np.searchsorted(grid, a), 1, len(grid) - 1)
+    var = (a - grid[i - 1]) * (grid[i] - a) * (scale / spec.prescale) ** 2
+    return var.reshape(v.shape)
+
+
+# mxfp4_bwd (stochastic rounding and random Hadamard transforms in the backward, no forward
+# quantization) with scales that cannot clip ("rceil": the smallest power of two with
+# amax <= 6 * scale), and the registered floor-rule mxfp4_bwd, whose 3/4 gain keeps the
+# scaled elements below 6: both unbiased.
+_SR_BWD = dataclasses.replace(recipes.get("mxfp4_bwd").dlhs.lhs, scale_mode="rceil")
+MXFP4_BWD_RCEIL = recipes.get("mxfp4_bwd").replace(
+    name="mxfp4_bwd_rceil",
+    dlhs=GemmSpec(_SR_BWD, _SR_BWD, hadamard=64),
+    drhs=GemmSpec(_SR_BWD, _SR_BWD, hadamard=64),
+)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        MXFP4_BWD_RCEIL,
+        recipes.get("mxfp4_bwd"),
+    ],
+    ids=lambda r: r.name,
+)
+def test_stochastic_rounding_is_unbiased_over_keys(recipe):
+    """The means over 256 keys of the weight and input gradients converge to the exact ones.
+
+    Bound. With no forward quantization, ``dw[k, n] = sum_m Q(x~)[m, k] Q(dy~)[m, n]`` where
+    ``~`` is the GEMM's Hadamard transform along M, if any (random signs from the key; it
+    cancels in exact arithmetic) and Q rounds independently and without bias (``E Q(v) = v``,
+    ``Var Q(v) = (v - lo)(hi - v) <= step**2 / 4``: ``_sr_variance``). For independent a, b:
+    ``Var(ab) = Va Vb + Va E[b]**2 + Vb E[a]**2``; summing over m gives the variance of one
+    key's gradient given its signs, and the mean over ``n`` independent keys has
+    ``sigma**2 = sum_keys Var_key / n**2``. A mean of 256 sums of 64 independent terms is
+    close to normal, so ``|mean - exact| <= z sigma`` with z for a two-sided false-failure
+    probability of 1e-6 over all elements (Bonferroni: ``1e-6 / (2 * n_elements)`` each),
+    plus the float32 error of the GEMMs (``2 gamma_n (|A||B|)``, tiny next to sigma).
+    The same holds for ``dx`` (contracting N).
+    """
+    x, w, dy = case_inputs()[MK_KN.id]
+    n_keys = 256
+    keys = jax.random.split(jax.random.key(99), n_keys)
+
+    @jax.jit
+    def sample(keys):
+        grads = jax.vmap(
+            functools.partial(value_and_grads, dn=DN, recipe=recipe), in_axes=(None, None, None, 0)
+        )(x, w, dy, keys)
+
+        def transformed(k, gemm_name, a, b):  # both operands of a GEMM, C (axis 0) first
+            gemm = getattr(recipe, gemm_name)
+            s = _signs(gemm, jax.random.key_data(k), TAGS[gemm_name])
+            return _hadamard(a, 0, gemm, s), _hadamard(b, 0, gemm, s)
+
+        ops = {
+            g: jax.vmap(functools.partial(transformed, gemm_name=g, a=a, b=b))(keys)
+            for g, a, b in (("drhs", x, dy), ("dlhs", dy.T, w.T))
+        }
+        return grads, ops
+
+    (y, dx, dw), ops = sample(keys)
+    # no forward quantization (vmap batches the GEMM: its summation order may change)
+    assert_within(y[0], _dot(x, w, DN), gemm_tol(x, w, DN))
+    assert not np.array_equal(dw[0], dw[1])
+
+    def check(samples, gemm_name, a, b):
+        """``samples[key] = sum_c Q(a~)[c, :, None] Q(b~)[c, None, :]``, C contracted."""
+        gemm = getattr(recipe, gemm_name)
+        at, bt = (np.asarray(t, np.float64) for t in ops[gemm_name])
+        va, vb = _sr_variance(at, gemm.lhs), _sr_variance(bt, gemm.rhs)
+        var = sum(
+            np.einsum("kcp,kcq->pq", u, v, optimize=True)
+            for u, v in ((va, vb), (va, bt**2), (at**2, vb))
+        )
+        sigma = np.sqrt(var) / n_keys
+        dn = (((0,), (0,)), ((), ()))
+        exact = _dot(a, b, dn)
+        fp32 = gemm_tol(a, b, dn)
+        z = statistics.NormalDist().inv_cdf(1 - 1e-6 / (2 * exact.size))
+        mean = np.asarray(samples, np.float64).mean(axis=0)
+        assert_within(mean, exact, z * sigma + fp32)
+        # The bound is not vacuous: one key alone is much further off than the mean may be.
+        assert np.max(np.abs(samples[0] - exact) / (sigma + fp32)) > 4 * z
+
+    check(dw, "drhs", x, dy)  # dw = x.T dy: x [M, K] and dy [M, N], blocks along M
+    check(dx, "dlhs", dy.T, w.T)  # dx = dy w.T: dy.T [N, M] and w.T [N, K], blocks along N
+
+
+def test_prescale_keeps_stochastic_rounding_from_clipping():
+    """One MXFP4 block holding 1.2 (everything else 0): the floor-rule scale is
+    2**(floor(log2 1.2) - 2) = 1/4, and 1.2 / (1/4) * 3/4 = 3.6 does not clip: it rounds to
+    3 or 4, i.e. 1.0 or 4/3 after the gain is divided out (mean 1.2). (Prescaling before the
+    scale is chosen gave 0.9 / (1/8) = 7.2, clipped to 6: always 1.0.)"""
+    spec = recipes.get("mxfp4_bwd").dlhs.lhs
+    v = jnp.zeros((1, 32)).at[0, 0].set(1.2)
+    keys = jax.random.split(jax.random.key(0), 64)
+    q = jax.jit(jax.vmap(lambda k: quantize_operand(v, spec, 1, 0, jax.random.key_data(k))))(keys)
+    assert float(jnp.max(q[:, 0, 0])) > 1.2  # rounds up sometimes, as unbiased SR must
+
+
+# ------------------------------------------------------------------------------------------
+# 5. Hadamard transforms
+
+HAD32 = Recipe(
+    "had32", fwd=GemmSpec(hadamard=32), dlhs=GemmSpec(hadamard=32), drhs=GemmSpec(hadamard=32)
+)
+
+
+def test_hadamard_alone_leaves_the_product_unchanged():
+    """With fixed signs (no key) and random signs. Bound: each operand's transform is off by
+    at most ``(L + 3) u`` times its block's L2 norm (L = log2(32); tests/test_hadamard.py),
+    and a float32 GEMM adds at most ``gamma_n sum |a_i b_i| <= gamma_n ||a|| ||b||``; so per
+    output element ``|y - x w| <= (2 (L + 3) u + 2 gamma_n) ||x_row|| ||w_col||`` (first
+    order, so 0.1% on top; the exact product's own float32 error counted too)."""
+    x, w, dy = case_inputs()[MK_KN.id]
+    got = jax.jit(lambda *a: [value_and_grads(*a, k, DN, HAD32) for k in (None, KEY)])(x, w, dy)
+    exact = (_dot(x, w, DN), _dot(dy, w.T, DN), _dot(x.T, dy, DN))
+
+    def tol(a, b):  # rows of a times columns of b
+        n = a.shape[1]
+        gamma = n * U32 / (1 - n * U32)
+        na = np.linalg.norm(np.asarray(a, np.float64), axis=1)
+        nb = np.linalg.norm(np.asarray(b, np.float64), axis=0)
+        return (2 * 8 * U32 + 2 * gamma) * (1 + 1e-3) * na[:, None] * nb[None, :]
+
+    tols = (tol(x, w), tol(dy, w.T), tol(x.T, dy))
+    for signs in got:
+        for g, e, t in zip(signs, exact, tols, strict=True):
+            assert_within(g, e, t)
+            assert not np.array_equal(g, e)  # the transform did run
+    assert not np.array_equal(got[0][0], got[1][0])  # and the signs did change it
+
+
+def test_hadamard_reduces_mxfp4_error_on_outliers():
+    """Four channels of K (one in each block of 32) scaled by 100 set the MX scale of their
+    blocks ~2**7 higher: the other 31 elements of each block flush to zero or to the coarsest
+    FP4 levels. A 32-point Hadamard transform along K spreads each outlier over its block,
+    which becomes close to Gaussian, so x keeps FP4's relative error of Gaussian data.
+
+    Quantizing x alone (activations, where outliers live), the error of ``x @ w`` drops on
+    every one of 8 independent draws. Quantizing w too, its FP4 error (~0.1, the same with or
+    without the transform) is amplified by the outlier channels and dominates ``y``'s error:
+    the gain is then smaller and shows on the mean over the draws."""
+    mx = QuantSpec("mxfp4")
+    pairs = {  # (without, with) the transform
+        "x": (GemmSpec(mx, None), GemmSpec(mx, None, hadamard=32)),
+        "x and w": (GemmSpec(mx, mx), GemmSpec(mx, mx, hadamard=32)),
+    }
+    outliers = jnp.zeros(K).at[jnp.array([5, 40, 77, 100])].set(99.0) + 1.0
+    xs = jnp.stack([_normal(100 + i, (M, K)) * outliers[None, :] for i in range(8)])
+    ws = jnp.stack([_normal(200 + i, (K, N)) for i in range(8)])
+
+    @jax.jit
+    def errors(xs, ws):
+        def one(x, w):
+            exact = _dot(x, w, DN)
+            return {
+                k: [
+                    jnp.linalg.norm(
+                        lb.dot_general(x, w, DN, recipe=Recipe(k, fwd=g), key=KEY) - exact
+                    )
+                    / jnp.linalg.norm(exact)
+                    for g in gs
+                ]
+                for k, gs in pairs.items()
+            }
+
+        return jax.vmap(one)(xs, ws)
+
+    errs = errors(xs, ws)
+    plain_x, had_x = errs["x"]
+    assert np.all(had_x < plain_x), (had_x, plain_x)
+    plain_xw, had_xw = errs["x and w"]
+    assert np.mean(had_xw) < np.mean(plain_xw), (had_xw, plain_xw)
+
+
+# ------------------------------------------------------------------------------------------
+# 6. NVFP4's per-tensor scale keeps tiny gradients
+
+
+def test_nvfp4_keeps_tiny_gradients_of_a_mean_reduced_loss():
+    """``loss = mean((x @ w)**2)`` over 4096 x 64 outputs: ``dy = 2 y / 262144``, ~3e-5 at most.
+
+    NVFP4 block scales are E4M3 values times a float32 tensor scale ``amax / (6 * 448)``.
+    Without it (tensor scale 1) a block scale ``RNE_e4m3(amax_b / 6)`` is 0 whenever
+    ``amax_b / 6`` is below half of E4M3's smallest subnormal ``2**-9``, i.e.
+    ``amax_b < 6 * 2**-10``: all of this dy flushes to zero. MXFP4's E8M0 scales reach
+    2**-127 and keep dy as well.
+
+    Accuracy. The weight gradient sums 4096 products: the FP4 rounding errors of x and dy in
+    the wgrad GEMM are independent of the signal and average out, but the forward's error on
+    w is coherent (``dw = 2 x.T Q(x) Q(w) / (M N) ~ 2 Q(w) / N``), so the relative error is
+    about that of one NVFP4 quantization of a Gaussian tensor, ~0.1 (E2M1 keeps 2 significand
+    bits: half a step is 1/8 to 1/4 of a value, averaged over the block's shape). 0.3 leaves
+    room for the other roundings, which add in quadrature.
+    """
+    x = _normal(19, (4096, 64))
+    w = _normal(20, (64, 64), 0.1)
+
+    @jax.jit
+    def run(x, w):
+        def loss(w, recipe):
+            return jnp.mean(jnp.square(lb.dot_general(x, w, DN, recipe=recipe, key=KEY)))
+
+        dw_nv, dw_32 = (jax.grad(loss)(w, r) for r in ("nvfp4", "none"))
+        dy = jax.grad(lambda y: jnp.mean(jnp.square(y)))(_dot(x, w, DN))
+        quantized = (
+            lb.fake_quantize(dy, "nvfp4"),
+            lb.fake_quantize(dy, "mxfp4"),
+            lb.fake_quantize(dy, "nvfp4", tensor_amax=6.0 * 448.0),
+        )  # t = 1
+        return dw_nv, dw_32, dy, quantized
+
+    dw_nv, dw_32, dy, (nv, mx, block_only) = run(x, w)
+    assert np.count_nonzero(dw_nv) == dw_nv.size and rel_err(dw_nv, dw_32) < 0.3
+    assert float(jnp.max(jnp.abs(dy))) < 6 * 2.0**-10  # tiny: E4M3 alone cannot scale it
+    for kept in (nv, mx):
+        assert np.count_nonzero(kept) > 0.5 * kept.size and rel_err(kept, dy) < 0.3
+    assert not np.any(block_only)
+
+
+# ------------------------------------------------------------------------------------------
+# 7. Transformations: jit, vmap, remat, sharding
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_jit_matches_eager(name):
+    """The jitted forward (the program test_matches_reference checks) equals the eager one,
+    op by op, bit for bit."""
+    x, w, _ = case_inputs()[MK_KN.id]
+    eager = lb.dot_general(x, w, DN, recipe=name, key=KEY)
+    assert_equal(checked(name)[0][0], eager)
+
+
+@pytest.mark.parametrize("name,divisor", [("fp8", 448.0), ("nvfp4", 6.0 * 448.0)])
+def test_tensor_scales_are_the_same_under_jit(name, divisor):
+    """Per-tensor scales must not divide by a constant: under jax.jit XLA rewrites ``x / c``
+    into ``x * (1 / c)``, one ulp off for many x. A tensor whose amax ``a`` has
+    ``fl(a / c) != fl(a * fl(1 / c))`` would quantize differently in eager and jitted code.
+    (The shape is the forward's x, so that the eager ops are already compiled.)"""
+    div = np.float32(divisor)
+    a = next(
+        a
+        for a in np.float32(1.0) + np.arange(1, 64, dtype=np.float32) / 64
+        if a / div != a * (np.float32(1.0) / div)
+    )
+    x, _, _ = case_inputs()[MK_KN.id]
+    x = x / jnp.max(jnp.abs(x))
+    x = x.at[3, 5].set(a)
+    spec = recipes.get(name).fwd.lhs
+
+    def q(x):
+        return quantize_operand(x, spec, 1, 0, None)
+
+    np.testing.assert_array_equal(jax.jit(q)(x), q(x))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_vmap_matches_a_loop_of_plain_calls(name):
+    """vmap over a leading batch of x (and dy), w and key shared: bit for bit."""
+    x, w, dy = case_inputs()[MK_KN.id]
+    xb, dyb = _batch(x, dy)
+    loop = [plain_call(name, xb[i], w, dyb[i]) for i in range(xb.shape[0])]
+    assert_equal(checked(name, "vmap"), [jnp.stack(t) for t in zip(*loop, strict=True)])
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_remat_matches_the_plain_call(name):
+    """jax.checkpoint (the forward recomputed in the backward): bit for bit."""
+    assert_equal(checked(name, "remat"), checked(name)[0])
+
+
+def _sharded(name, mesh):
+    rows, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    x, w, dy = case_inputs()[MK_KN.id]
+    f = jax.jit(
+        functools.partial(value_and_grads, dn=DN, recipe=_canonical(name)),
+        in_shardings=(rows, rep, rows, rep),
+        out_shardings=(rows, rows, rep),
+    )
+    got = f(jax.device_put(x, rows), jax.device_put(w, rep), jax.device_put(dy, rows), KEY)
+    assert got[0].sharding.is_equivalent_to(rows, 2) and got[2].sharding.is_equivalent_to(rep, 2)
+    return got
+
+
+def _mesh(axis_type):
+    assert len(jax.devices()) >= 4, "conftest sets --xla_force_host_platform_device_count=4"
+    return jax.make_mesh((4,), ("data",), axis_types=(axis_type,))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_sharded_matches_the_plain_call(name):
+    """x (and dy) sharded on M over 4 devices, w replicated (GSPMD, Auto axes). Quantization
+    is elementwise given the block scales (max reductions, exact in any order), so only the
+    GEMMs' summation order may change: within ``2 gamma_n (|A||B|)`` of the plain call,
+    with ``A``, ``B`` the quantized operands of the reference."""
+    got = _sharded(name, _mesh(AxisType.Auto))
+    want, _, _, ops = checked(name)
+    dns = (MK_KN.dn, MK_KN.dlhs_dn, MK_KN.drhs_dn)
+    for g, e, (a, b), dn in zip(got, want, ops, dns, strict=True):
+        assert_within(g, e, gemm_tol(a, b, dn))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="lowbit bug: with jax.make_mesh's default Explicit axis types (sharding in types) "
+    "quantized recipes fail to trace: the reshapes into blocks and the Hadamard butterflies "
+    "of a sharded axis need out_sharding (ShardingTypeError), and the backward's "
+    "linear_transpose is given an unsharded ShapeDtypeStruct for a sharded cotangent",
+)
+def test_sharded_with_explicit_axes():
+    got = _sharded("mxfp4", _mesh(AxisType.Explicit))
+    want, _, _, ops = checked("mxfp4")
+    for g, e, (a, b), dn in zip(
+        got, want, ops, (MK_KN.dn, MK_KN.dlhs_dn, MK_KN.drhs_dn), strict=True
+    ):
+        assert_within(g, e, gemm_tol(a, b, dn))
+
+
+# ------------------------------------------------------------------------------------------
+# 8. einsum
+
+
+# Stochastic rounding in the forward (the key must reach it) and 2-D weight tiles (their
+# second axis depends on the dimension numbers).
+EINSUM_RECIPE = Recipe(
+    "einsum",
+    fwd=GemmSpec(
+        QuantSpec("mxfp4", rounding="stochastic"), QuantSpec("nvfp4", block_shape=(16, 16))
+    ),
+)
+
+
+def test_einsum_matches_dot_general():
+    """Outputs and gradients of einsum equal those of the dot_general it stands for, on the
+    two layouts of a transformer, and with a permuted output."""
+    cases = [  # subscripts, lhs shape, rhs shape, dimension numbers, output permutation, recipe
+        ("btd,df->btf", (2, 16, 64), (64, 32), (((2,), (0,)), ((), ())), (0, 1, 2), EINSUM_RECIPE),
+        (
+            "bhqd,bhkd->bhqk",
+            (2, 2, 16, 64),
+            (2, 2, 32, 64),
+            (((3,), (3,)), ((0, 1), (0, 1))),
+            (0, 1, 2, 3),
+            EINSUM_RECIPE,
+        ),
+        ("btd,df->fbt", (2, 16, 64), (64, 32), (((2,), (0,)), ((), ())), (2, 0, 1), "none"),
+    ]
+    args = [(_normal(i, c[1]), _normal(i + 10, c[2])) for i, c in enumerate(cases)]
+
+    @jax.jit
+    def run(args):
+        out = []
+        for (spec, _, _, dn, perm, name), (a, b) in zip(cases, args, strict=True):
+
+            def via_einsum(a, b, spec=spec, name=name):
+                return lb.einsum(spec, a, b, recipe=name, key=KEY)
+
+            def via_dot(a, b, dn=dn, perm=perm, name=name):
+                return jnp.transpose(lb.dot_general(a, b, dn, recipe=name, key=KEY), perm)
+
+            ys = [jax.vjp(f, a, b) for f in (via_einsum, via_dot)]
+            cot = jnp.cos(jnp.arange(ys[0][0].size, dtype=jnp.float32)).reshape(ys[0][0].shape)
+            out.append([(y, *vjp(cot)) for y, vjp in ys])
+        return out
+
+    for via_einsum, via_dot in run(args):
+        assert_equal(via_einsum, via_dot)
+
+
+def test_einsum_sums_labels_missing_from_the_output():
+    """t appears only in x and not in the output: summed out first, then contracted. Both
+    that and jnp.einsum compute ``sum_{t,d} x[b,t,d] w[d,f]`` in float32, each within
+    ``gamma_{T+D} sum |x| |w|`` of the exact value (T + D roundings on any path)."""
+    x, w = _normal(46, (2, 8, 64)), _normal(47, (64, 32))
+    n = 8 + 64
+    gamma = n * U32 / (1 - n * U32)
+    bound = 2 * gamma * (1 + gamma) * (jnp.sum(jnp.abs(x), axis=1) @ jnp.abs(w))
+    assert_within(lb.einsum("btd,df->bf", x, w), jnp.einsum("btd,df->bf", x, w), bound)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "btd,df",
+        "btd,df,fg->btg",
+        "bt...,df->btf",
+        "btd,d->bt",
+        "bbd,df->bbf",
+        "btd,df->btg",
+        "bt1,1f->btf",
+        "btd,df->btff",
+    ],
+)
+def test_einsum_bad_subscripts_raise(spec):
+    with pytest.raises(ValueError, match="subscripts|'...'"):
+        lb.einsum(spec, jnp.ones((2, 3, 32)), jnp.ones((32, 4)))
+
+
+# ------------------------------------------------------------------------------------------
+# 9. Errors
+
+
+def test_unknown_recipe_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown recipe 'mxfp3'") as e:
+        lb.dot_general(jnp.ones((4, 32)), jnp.ones((32, 4)), DN, recipe="mxfp3")
+    assert all(n in str(e.value) for n in ALL)
+
+
+# The argument checks run when tracing: jax.eval_shape compiles nothing.
+F32_64 = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+
+
+def _trace(recipe="mxfp4", key=None, dn=DN, lhs=F32_64, rhs=F32_64, grad=False):
+    def f(x, w):
+        return lb.dot_general(x, w, dn, recipe=recipe, key=key)
+
+    if grad:
+        return jax.eval_shape(jax.grad(lambda x, w: f(x, w).sum()), lhs, rhs)
+    return jax.eval_shape(f, lhs, rhs)
+
+
+def test_integer_operands_raise():
+    for dtype, which in ((jnp.int32, "lhs"), (jnp.int8, "rhs")):
+        ints = jax.ShapeDtypeStruct((64, 64), dtype)
+        with pytest.raises(TypeError, match=f"{which} must be floating point"):
+            _trace(**{which: ints})
+
+
+def test_stochastic_rounding_without_key_raises():
+    sr_fwd = Recipe("sr_fwd", fwd=GemmSpec(QuantSpec("mxfp4", rounding="stochastic"), None))
+    with pytest.raises(ValueError, match="pass key"):
+        _trace(sr_fwd)
+    for residuals in ("high", "quantized"):  # a stochastic backward needs the key too
+        with pytest.raises(ValueError, match="pass key"):
+            _trace(recipes.get("mxfp4_bwd").replace(residuals=residuals), grad=True)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        jnp.zeros(2, jnp.int32),
+        jnp.zeros(3, jnp.uint32),
+        jnp.zeros((2, 2), jnp.uint32),
+        jnp.zeros(2, jnp.float32),
+    ],
+    ids=["int32", "uint32[3]", "uint32[2,2]", "float32"],
+)
+def test_bad_key_raises(bad):
+    with pytest.raises(TypeError, match="key must be"):
+        _trace("nvfp4", key=bad)
+
+
+def test_hadamard_block_must_divide_the_axis():
+    odd = jax.ShapeDtypeStruct((96, 96), jnp.float32)
+    with pytest.raises(ValueError, match="multiple of 64"):  # K = 96 in the forward
+        _trace(Recipe("h64", fwd=GemmSpec(hadamard=64)), lhs=odd, rhs=odd)
+    with pytest.raises(ValueError, match="multiple of 64"):  # M = 96 in the weight gradient
+        _trace("mxfp4_bwd", key=KEY, lhs=odd, rhs=odd, grad=True)
+    with pytest.raises(ValueError, match="power of two"):
+        _trace(Recipe("h24", fwd=GemmSpec(hadamard=24)))
+
+
+@pytest.mark.parametrize(
+    "dn", [(((2,), (0,)), ((), ())), (((1,), (-3,)), ((), ())), (((1,), (0,)), ((5,), ()))], ids=str
+)
+def test_dimension_numbers_out_of_range_raise(dn):
+    with pytest.raises(ValueError, match="out of range"):
+        _trace(dn=dn)

@@ -1,0 +1,279 @@
+"""pallas_kernels.gemm.quantized_gemm: one GEMM of lowbit.dot_general, emulation or kernels.
+
+On CPU the op must be the XLA emulation bit for bit (``lax.platform_dependent`` keeps its
+``default`` branch), for every operand-spec pair any registered recipe uses, stochastic
+rounding and high-precision (None) operands included. The Pallas path is checked two ways
+without a GPU: in interpret mode against the emulation to float32-accumulation tolerance, and
+by lowering for CUDA through jax.export: the exported module must hold the Triton custom calls
+(one per quantized operand, one for the matmul), a CPU export none.
+
+Tolerance (as tests/test_pallas_matmul.py): the quantized operands are the same values on both
+paths, so C differs only in the order of K float32 additions and NVFP4's tensor scales applied
+to the sum:
+``|C - C_ref| <= (2 K + 8) * 2**-24 * (|A_q| @ |B_q|)``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import lowbit as lb
+from lowbit.dot_general import quantize_operand
+from lowbit.recipes import GemmSpec, QuantSpec, Recipe
+from pallas_kernels._common import TRITON_CUSTOM_CALL_TARGETS, export_for_cuda, on_gpu
+from pallas_kernels.gemm import kernel_supports, quantized_gemm, quantized_gemm_reference
+
+cpu_only = pytest.mark.skipif(on_gpu(), reason="checks the CPU (emulation) branch")
+
+
+def _recipe_pairs() -> list[tuple[QuantSpec | None, QuantSpec | None]]:
+    """(lhs, rhs) of the fwd, dlhs and drhs GEMMs of every registered recipe, deduplicated."""
+    pairs = []
+    for name in lb.recipes.names():
+        r = lb.recipes.get(name)
+        for g in (r.fwd, r.dlhs, r.drhs):
+            p = (g.lhs, g.rhs)
+            if p != (None, None) and p not in pairs:
+                pairs.append(p)
+    return pairs
+
+
+SR4 = QuantSpec("mxfp4", rounding="stochastic")
+SR4P = QuantSpec("mxfp4", rounding="stochastic", prescale=0.75)  # not for the kernel (yet)
+EXTRA_PAIRS = [  # high-precision (weight-only) operands: no recipe holds one alone
+    (None, QuantSpec("mxfp4")),
+    (QuantSpec("mxfp8_e4m3"), None),
+    (None, QuantSpec("nvfp4", rounding="stochastic")),
+    (None, SR4),
+    (None, SR4P),  # not for the kernel
+    (None, QuantSpec("nvfp4", block_shape=(16, 16))),  # not for the kernel
+    (QuantSpec("e4m3", granularity="tensor"), QuantSpec("mxfp4")),  # not for the kernel
+]
+PAIRS = _recipe_pairs() + EXTRA_PAIRS
+SUPPORTED = [p for p in PAIRS if kernel_supports(*p)[0]]
+
+
+def _name(spec: QuantSpec | None) -> str:
+    if spec is None:
+        return "f32"
+    s = spec.format
+    if spec.granularity == "tensor":
+        s += "-tensor"
+    if spec.scale_mode:
+        s += f"-{spec.scale_mode}"
+    if spec.block_shape:
+        s += "-" + "x".join(map(str, spec.block_shape))
+    if spec.stochastic:
+        s += "-sr"
+    if spec.prescale != 1.0:
+        s += f"-p{spec.prescale}"
+    if spec.clip_rms is not None:
+        s += f"-clip{spec.clip_rms}"
+    return s
+
+
+def _ids(pair) -> str:
+    return f"{_name(pair[0])}_{_name(pair[1])}"
+
+
+KEY_A = jax.random.key_data(jax.random.key(11))
+KEY_B = jax.random.key_data(jax.random.key(12))
+
+
+def _data(m, k, n, seed=0):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, k)) * np.exp(rng.standard_normal((m, k)))
+    b = rng.standard_normal((k, n)) * np.exp(rng.standard_normal((k, n)))
+    return jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+
+
+def _emulation(a, b, spec_a, spec_b, key_a, key_b):
+    """What lowbit.dot_general computes for this GEMM (written out, not imported)."""
+    return lax.dot_general(
+        quantize_operand(a, spec_a, 1, 0, key_a),
+        quantize_operand(b, spec_b, 0, 1, key_b),
+        (((1,), (0,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _jit(fn, pair, **kw):
+    return jax.jit(functools.partial(fn, spec_a=pair[0], spec_b=pair[1], **kw))
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: the emulation, bit for bit
+
+
+@cpu_only
+@pytest.mark.parametrize("pair", PAIRS, ids=_ids)
+def test_cpu_is_the_emulation_bit_for_bit(pair):
+    a, b = _data(24, 96, 40)  # N = 40: 2-D tiles pad
+    c = _jit(quantized_gemm, pair)(a, b, key_a=KEY_A, key_b=KEY_B)
+    ref = _jit(_emulation, pair)(a, b, key_a=KEY_A, key_b=KEY_B)
+    assert c.shape == (24, 40) and c.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(c), np.asarray(ref))
+
+
+@cpu_only
+def test_cpu_eager_is_the_eager_emulation():
+    a, b = _data(16, 64, 16, seed=1)
+    pair = (None, SR4)  # eager lowbit dispatches op by op: one quantized operand is enough
+    c = quantized_gemm(a, b, *pair, KEY_A, KEY_B)
+    np.testing.assert_array_equal(np.asarray(c), np.asarray(_emulation(a, b, *pair, KEY_A, KEY_B)))
+
+
+@cpu_only
+def test_keys_are_the_ones_dot_general_passes():
+    """The forward GEMM of lowbit.dot_general (no Hadamard) is quantized_gemm with the keys
+    dot_general derives for its two operands."""
+    from lowbit.dot_general import _fold
+
+    spec = SR4
+    recipe = Recipe("gemm_test", fwd=GemmSpec(spec, QuantSpec("nvfp4", rounding="stochastic")))
+    x, w = _data(16, 64, 24, seed=2)
+    key = jax.random.key_data(jax.random.key(5))
+    y = jax.jit(lambda x, w, k: lb.dot_general(x, w, (((1,), (0,)), ((), ())), recipe, k))(
+        x, w, key
+    )
+    c = _jit(quantized_gemm, (recipe.fwd.lhs, recipe.fwd.rhs))(
+        x, w, key_a=_fold(key, 0, 0), key_b=_fold(key, 0, 1)
+    )
+    np.testing.assert_array_equal(np.asarray(c), np.asarray(y))
+
+
+# --------------------------------------------------------------------------------------------
+# kernel_supports
+
+
+def test_kernel_supports():
+    assert kernel_supports(QuantSpec("mxfp4"), QuantSpec("nvfp4")) == (True, "")
+    assert kernel_supports(None, SR4) == (True, "")
+    assert kernel_supports(QuantSpec("mxfp4", block_shape=(32,)), None)[0]
+    for pair, why in [
+        ((QuantSpec("e4m3", granularity="tensor"), QuantSpec("mxfp4")), "granularity='tensor'"),
+        ((QuantSpec("nvfp4"), QuantSpec("nvfp4", block_shape=(16, 16))), "2-D block_shape"),
+        ((QuantSpec("mxfp4", block_shape=(16,)), None), "not mxfp4's own block"),
+        ((None, None), "both operands are high precision"),
+        ((SR4P, SR4P), "prescale=0.75 is a gain"),
+    ]:
+        ok, reason = kernel_supports(*pair)
+        assert not ok and why in reason, reason
+    with pytest.raises(TypeError, match="QuantSpec"):
+        kernel_supports("mxfp4", None)
+    # every recipe's GEMMs but per-tensor FP8, NVFP4's 16x16 weight tiles and prescale gains
+    for pair in _recipe_pairs():
+        tiles = any(s is not None and s.block_shape == (16, 16) for s in pair)
+        gain = any(s is not None and s.prescale != 1.0 for s in pair)
+        expected = pair[0].granularity == "block" and not tiles and not gain
+        assert kernel_supports(*pair)[0] == expected
+
+
+def test_rejects_bad_arguments():
+    a, b = _data(16, 64, 16)
+    spec = QuantSpec("mxfp4")
+    with pytest.raises(ValueError, match="contraction sizes differ"):
+        quantized_gemm(a, b[:32], spec, spec)
+    with pytest.raises(ValueError, match="2-D matrix"):
+        quantized_gemm(a[None], b, spec, spec)
+    with pytest.raises(TypeError, match="floating-point"):
+        quantized_gemm(a.astype(jnp.int32), b, spec, spec)
+    with pytest.raises(ValueError, match="pass its key"):
+        quantized_gemm(a, b, spec, SR4, KEY_A, None)
+    with pytest.raises(TypeError, match="key_a"):
+        quantized_gemm(a, b, SR4, spec, jnp.zeros((3,), jnp.uint32))
+
+
+# --------------------------------------------------------------------------------------------
+# The Pallas path in interpret mode, against the emulation
+
+
+@jax.jit
+def _magnitude(aq, bq):
+    return jnp.dot(jnp.abs(aq), jnp.abs(bq), precision=lax.Precision.HIGHEST)
+
+
+INTERPRET_PAIRS = [
+    (QuantSpec("mxfp8_e4m3", scale_mode="rceil"),) * 2,
+    (QuantSpec("mxfp4"),) * 2,
+    (QuantSpec("nvfp4"),) * 2,
+    (SR4, SR4),
+    (None, QuantSpec("mxfp4")),
+    (QuantSpec("mxfp4", clip_rms=2.92),) * 2,
+]
+
+
+@pytest.mark.parametrize("pair", INTERPRET_PAIRS, ids=_ids)
+def test_interpret_matches_emulation(pair):
+    m, k, n = 32, 64, 32
+    a, b = _data(m, k, n, seed=3)
+    fn = _jit(quantized_gemm, pair, interpret=True)
+    assert "pallas_call" in str(jax.make_jaxpr(fn)(a, b, key_a=KEY_A, key_b=KEY_B))
+    c = fn(a, b, key_a=KEY_A, key_b=KEY_B)
+    ref = _jit(quantized_gemm_reference, pair)(a, b, key_a=KEY_A, key_b=KEY_B)
+    aq = quantize_operand(a, pair[0], 1, 0, KEY_A)
+    bq = quantize_operand(b, pair[1], 0, 1, KEY_B)
+    tol = (2 * k + 8) * 2.0**-24 * _magnitude(aq, bq)
+    err = jnp.abs(c - ref)
+    assert bool(jnp.all(err <= tol)), f"worst excess {float(jnp.max(err - tol))}"
+
+
+def test_interpret_with_unsupported_specs_warns_and_emulates():
+    a, b = _data(16, 64, 16, seed=4)
+    pair = (QuantSpec("e4m3", granularity="tensor"), QuantSpec("mxfp4"))
+    with pytest.warns(UserWarning, match="granularity='tensor'"):
+        c = _jit(quantized_gemm, pair, interpret=True)(a, b)
+    np.testing.assert_array_equal(
+        np.asarray(c), np.asarray(_jit(_emulation, pair)(a, b, key_a=None, key_b=None))
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Lowering: the kernels for CUDA, the emulation for CPU
+
+
+def _triton_calls(text: str) -> int:
+    """Triton custom calls in exported StableHLO text (pretty or generic form)."""
+    return sum(
+        text.count(f"custom_call @{t}(") + text.count(f'call_target_name = "{t}"')
+        for t in TRITON_CUSTOM_CALL_TARGETS
+    )
+
+
+def _arg_specs(m, k, n):
+    f32, key = jax.ShapeDtypeStruct, jax.ShapeDtypeStruct((2,), jnp.uint32)
+    return f32((m, k), jnp.float32), f32((k, n), jnp.float32), key, key
+
+
+def _fn(pair):
+    return lambda a, b, key_a, key_b: quantized_gemm(a, b, *pair, key_a, key_b)
+
+
+@pytest.mark.parametrize("pair", SUPPORTED, ids=_ids)
+def test_kernel_path_lowers_for_cuda(pair):
+    specs = _arg_specs(256, 512, 128)
+    exported = export_for_cuda(_fn(pair), *specs)
+    assert exported.platforms == ("cuda",)
+    # one quantize kernel per quantized operand, one matmul
+    assert _triton_calls(exported.mlir_module()) == sum(s is not None for s in pair) + 1
+    cpu = jax.export.export(jax.jit(_fn(pair)), platforms=["cpu"])(*specs)
+    assert _triton_calls(cpu.mlir_module()) == 0
+
+
+@pytest.mark.parametrize("pair", [p for p in PAIRS if p not in SUPPORTED], ids=_ids)
+def test_unsupported_specs_lower_the_emulation_for_cuda(pair):
+    exported = export_for_cuda(_fn(pair), *_arg_specs(64, 128, 32))
+    assert _triton_calls(exported.mlir_module()) == 0
+
+
+def test_unaligned_shapes_lower_for_cuda():
+    pair = (QuantSpec("nvfp4", rounding="stochastic"), QuantSpec("mxfp6_e3m2"))
+    exported = export_for_cuda(_fn(pair), *_arg_specs(20, 80, 24))
+    assert _triton_calls(exported.mlir_module()) == 3
