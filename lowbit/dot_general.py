@@ -30,7 +30,7 @@ from lowbit import hadamard as _hadamard
 from lowbit import qarray as _qa
 from lowbit import recipes as _recipes
 from lowbit.formats import E4M3, E5M2
-from lowbit.numerics import round_to_grid, uniform_bits
+from lowbit.numerics import materialize, round_to_grid, uniform_bits
 from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 
 __all__ = ["dot_general", "einsum", "quantize_operand", "unpack_operand"]
@@ -131,31 +131,12 @@ def unpack_operand(packed, spec: QuantSpec | None) -> jax.Array:
     return _qa._ungain(y, spec.prescale)
 
 
-def _while_barrier(x):
-    # A loop that runs once, with a trip count XLA cannot know (isfinite of one element is
-    # 0 or 1), is a real fusion boundary on XLA CPU; the body multiplies by (c+1)/(c+1) == 1
-    # exactly, so XLA cannot drop the array from the loop state as loop-invariant.
-    n = jnp.isfinite(x.reshape(-1)[0]).astype(jnp.int32)
-
-    def body(c):
-        one = (c[0] + 1).astype(x.dtype)
-        return c[0] + 1, c[1] * (one / one)
-
-    return lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), x))[1]
-
-
 def _materialize(x):
-    """Make XLA compute ``x`` once, before the quantizers that read it.
-
-    Without this, XLA fuses the producer of an operand (a GELU, a layer-norm backward) into
-    every quantizer fusion that reads it and recomputes it there. ``lax.optimization_barrier``
-    says so on GPU; XLA CPU removes barriers before fusion, so on CPU the value goes through a
-    once-run while loop instead (measured on the bench_step FQT step: mxfp4 1.29x -> 1.02x
-    of the unquantized step in CPU time, identical losses).
-    """
-    if x.size == 0:
-        return x
-    return lax.platform_dependent(x, cpu=_while_barrier, default=lax.optimization_barrier)
+    """Make XLA compute ``x`` once, before the quantizers that read it (without this, XLA
+    fuses the producer of an operand, a GELU or a layer-norm backward, into every quantizer
+    fusion that reads it and recomputes it there; measured on the bench_step FQT step on CPU:
+    mxfp4 1.29x -> 1.02x of the unquantized step in CPU time, identical losses)."""
+    return materialize(x)[0]
 
 
 def _hadamard_along(x, axis: int, block: int, signs):

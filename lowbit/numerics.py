@@ -17,6 +17,7 @@ from lowbit.formats import ElementFormat
 __all__ = [
     "pow2",
     "ldexp_exact",
+    "materialize",
     "exponent",
     "round_to_grid",
     "uniform_bits",
@@ -46,6 +47,39 @@ def ldexp_exact(x: jax.Array, k: int) -> jax.Array:
     bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
     out = lax.bitcast_convert_type(bits + (k << _MANT), jnp.float32)
     return jnp.where((bits & 0x7F800000) == 0, x, out)
+
+
+def _while_barrier(xs):
+    # A loop that runs once, with a trip count XLA cannot know (isfinite of one element is
+    # 0 or 1), is a real fusion boundary on XLA CPU; the body multiplies by (c+1)/(c+1) == 1
+    # exactly, so XLA cannot drop the arrays from the loop state as loop-invariant.
+    first = xs[0].reshape(-1)[0]
+    n = jnp.isfinite(first).astype(jnp.int32) + (first != first).astype(jnp.int32)
+
+    def body(c):
+        i, arrays = c
+        out = []
+        for a in arrays:
+            one = (i + 1).astype(a.dtype)
+            out.append(a * (one / one))
+        return i + 1, tuple(out)
+
+    return lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), tuple(xs)))[1]
+
+
+def materialize(*xs: jax.Array):
+    """Float arrays ``xs`` unchanged, computed once by XLA before their consumers.
+
+    XLA fuses a cheap producer into every consumer fusion and recomputes it there: a GELU
+    feeding several quantizers, or per-block scale factors feeding a per-element loop (32x
+    the work). ``lax.optimization_barrier`` prevents that on GPU; XLA CPU removes barriers
+    before fusion, so on CPU the values pass through a once-run while loop instead.
+    """
+    if any(x.size == 0 for x in xs):
+        return xs
+    return lax.platform_dependent(
+        xs, cpu=_while_barrier, default=lambda xs: lax.optimization_barrier(tuple(xs))
+    )
 
 
 def exponent(x: jax.Array) -> jax.Array:
@@ -126,15 +160,20 @@ def round_to_grid(
     else:
         bits = bits + (rbits >> (32 - shift))
     normal = lax.bitcast_convert_type(bits & ~low, jnp.float32)
-    steps = elem.mbits - elem.emin  # |v| / q == |v| * 2**steps
-    y = ldexp_exact(a, steps)  # exact: |v| in grid steps
+    # Power-of-two constant multiplies, exact here: |v| < 2**emin and the results are
+    # normal. (The abs before and the select after keep XLA from folding the constants into
+    # the caller's per-block scale factors, which could under- or overflow.)
+    q = np.float32(2.0 ** (elem.emin - elem.mbits))
+    y = a * np.float32(1.0 / q)  # |v| in grid steps
     if rbits is None:
-        sub = ldexp_exact(jnp.round(y), -steps)  # half to even
+        sub = jnp.round(y) * q  # half to even
     else:
         fl = jnp.floor(y)
         u = (rbits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
-        sub = ldexp_exact(fl + (u < (y - fl)).astype(jnp.float32), -steps)
+        sub = (fl + (u < (y - fl)).astype(jnp.float32)) * q
     r = jnp.where(a < np.float32(elem.min_normal), sub, normal)
     if elem.is_int:  # two's complement has no -0: a negative value that rounds to 0 is +0
         return jnp.where(r == 0, np.float32(0), jnp.copysign(r, v))
-    return jnp.copysign(r, v)
+    # copysign on the bits (r >= 0): two integer ops where jnp.copysign lowers to five
+    sign = lax.bitcast_convert_type(v, jnp.uint32) & jnp.uint32(0x80000000)
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(r, jnp.uint32) | sign, jnp.float32)

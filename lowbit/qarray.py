@@ -30,7 +30,14 @@ from jax import lax
 
 from lowbit import formats as _formats
 from lowbit.formats import E4M3, BlockFormat, ElementFormat
-from lowbit.numerics import exponent, ldexp_exact, pow2, round_to_grid, uniform_bits
+from lowbit.numerics import (
+    exponent,
+    ldexp_exact,
+    materialize,
+    pow2,
+    round_to_grid,
+    uniform_bits,
+)
 
 __all__ = [
     "QArray",
@@ -449,7 +456,7 @@ def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Qua
         inv_hi, inv_lo = pow2(d_hi), pow2(-e - d_hi)
         mul_hi = jnp.where(finite, pow2(s_hi), nan)
         mul_lo = pow2(e - s_hi)
-        inv_hi, inv_lo, mul_hi, mul_lo = lax.optimization_barrier((inv_hi, inv_lo, mul_hi, mul_lo))
+        inv_hi, inv_lo, mul_hi, mul_lo = materialize(inv_hi, inv_lo, mul_hi, mul_lo)
         v = xb * inv_hi
         if elem.emax == 0:  # only MX INT8 can need 2**-e == 2**-127 (amax >= 2**127)
             v = v * inv_lo
@@ -466,21 +473,31 @@ def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Qua
 
     # NVFP4: a float32 tensor scale and unsigned-E4M3 block scales.
     if tensor_amax is None:
-        tamax = lax.bitcast_convert_type(
-            jnp.max(_amax_bits(xb, plan, finite_only=True)), jnp.float32
+        # The tensor amax ignores NaN and Inf values (not the finite values beside them):
+        # the block maxima give it unless some block is non-finite, when a second reduction
+        # over the finite values runs (lax.cond: only then).
+        tamax_bits = lax.cond(
+            jnp.all(finite),
+            lambda: jnp.max(amax_bits),
+            lambda: jnp.max(_amax_bits(xb, plan, finite_only=True)),
         )
+        tamax = lax.bitcast_convert_type(tamax_bits, jnp.float32)
     else:
         tamax = jnp.asarray(tensor_amax, jnp.float32)
     t = _ieee_div(tamax, np.float32(NVFP4_TENSOR_DIVISOR))
     s_raw = jnp.minimum(_ieee_div(_ieee_div(amax, np.float32(elem.max)), t),
                         np.float32(E4M3.max))
     s = round_to_grid(jnp.where(t > 0, s_raw, 0.0), E4M3)
-    st = s * t
-    v = _ieee_div(xb, jnp.where(st > 0, st, np.float32(1.0)))
+    # Elements x * ((1 / t) / s): one multiplication per element, the reciprocal per block
+    # (DESIGN.md allows it in place of x / (s * t); both divisions here are exact IEEE).
+    live = s > 0
+    r = jnp.where(live, _ieee_div(_ieee_div(np.float32(1.0), t), jnp.where(live, s, 1.0)), 0.0)
+    (r,) = materialize(r)
+    v = xb * r
     if plan.gain != 1.0:
         v = v * np.float32(plan.gain)
     clipped = jnp.abs(v) > elem.max if want_clip else None
-    v = jnp.where(st > 0, jnp.clip(v, -elem.max, elem.max), 0.0)
+    v = jnp.where(r > 0, jnp.clip(v, -elem.max, elem.max), 0.0)
     q = round_to_grid(v, elem, rbits=rbits)
     code = jnp.where(finite, encode_elements(s, E4M3), jnp.uint8(UE4M3_NAN))
     s_or_nan = jnp.where(finite, s, np.float32(np.nan))

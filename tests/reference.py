@@ -333,7 +333,8 @@ def mx_quantize(x, fmt: str, axis=-1, scale_mode: str = "floor", block_shape=Non
 def nvfp4_quantize(x, axis=-1, tensor_amax=None, block_shape=None) -> Quantized:
     """NVFP4 in float32 arithmetic, each step rounded as DESIGN.md writes it:
     t = amax_tensor / 2688; s = RNE_e4m3(min(amax_b / 6 / t, 448));
-    elements = RNE_e2m1(clamp(x / (s * t), +-6)); value = (element * s) * t.
+    elements = RNE_e2m1(clamp(x * ((1 / t) / s), +-6)) (the reciprocal form DESIGN.md allows);
+    value = (element * s) * t.
     The tensor amax ignores non-finite values; a block whose s is 0 (or t is 0) gives zeros;
     a block holding NaN or Inf gives NaN."""
     e2m1, e4m3 = ELEMS["e2m1"], ELEMS["e4m3"]
@@ -354,11 +355,10 @@ def nvfp4_quantize(x, axis=-1, tensor_amax=None, block_shape=None) -> Quantized:
     s_ok = (t > 0) & finite
     s64, s_code = round_to_grid(np.where(s_ok, s_raw, 0.0), e4m3)
     s = s64.astype(np.float32)
-    st = (s * t)[..., None]
-    assert st.dtype == np.float32
-    live = st > 0
+    live = (s > 0)[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        v = np.where(live, xb / np.where(live, st, f32(1)), f32(0))
+        r = (f32(1) / t) / np.where(s > 0, s, f32(1))[..., None]  # DESIGN.md: x * (1/t / s)
+        v = np.where(live, xb * r, f32(0))
     assert v.dtype == np.float32
     v = np.clip(v, f32(-6), f32(6))
     elems64, codes = round_to_grid(v, e2m1)

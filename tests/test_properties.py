@@ -289,16 +289,18 @@ def cases(draw, formats=tuple(FORMATS), modes=MODES, specials: bool = True) -> C
 
 def reference_scaled(case: Case, q) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(v, real, finite): the scaled values ``x / scale`` in the blocked layout (float64 for MX
-    — exact, a power of two — and float32 arithmetic for NVFP4, ``x / (s * t)`` as specified),
+    — exact, a power of two — and float32 arithmetic for NVFP4, ``x * ((1 / t) / s)`` as
+    DESIGN.md allows and lowbit computes),
     a mask of real (unpadded) elements, and a per-block mask of blocks without NaN/Inf."""
     xb = case.blocks(case.x)
     real = case.blocks(np.ones(case.x.shape, bool))
     finite = np.all(np.isfinite(xb), axis=-1, keepdims=True)
     xb = np.where(finite, xb, 0.0).astype(np.float32)
     if case.fmt == "nvfp4":
-        st_ = block_scales(q, case.fmt).astype(np.float32) * np.float32(q.tensor_scale)
+        s_ = block_scales(q, case.fmt).astype(np.float32)
         with np.errstate(invalid="ignore", divide="ignore"):
-            v = np.where(st_ > 0, xb / np.where(st_ > 0, st_, 1), 0.0).astype(np.float32)
+            r = (np.float32(1) / np.float32(q.tensor_scale)) / np.where(s_ > 0, s_, 1)
+            v = np.where(s_ > 0, xb * r.astype(np.float32), 0.0).astype(np.float32)
         return v.astype(np.float64), real, finite
     return xb.astype(np.float64) / block_scales(q, case.fmt), real, finite
 
@@ -524,7 +526,7 @@ def test_stochastic_rounding_is_unbiased(fmt):
     total false-failure probability alpha = 1e-6 gives k ~= 6.3 for M = 256.
 
     MX: the mean of fake_quantize, in x units (exact: power-of-two scales). NVFP4: the mean of
-    the decoded elements against x / (s * t), in scaled units, where the spec is exact (the
+    the decoded elements against x * ((1 / t) / s), in scaled units, where the spec is exact (the
     float32 scale products would add rounding of a few ulps in x units).
     """
     elem, block = FORMATS[fmt]
@@ -542,7 +544,8 @@ def test_stochastic_rounding_is_unbiased(fmt):
     if fmt == "nvfp4":
         s = E4M3.decode(scales[0])[..., None].astype(np.float32)
         assert np.all(t == t[0])
-        target = (xb.astype(np.float32) / (s * t[0])).astype(np.float64)
+        r = (np.float32(1) / np.float32(t[0])) / s
+        target = (xb.astype(np.float32) * r).astype(np.float64)
         mean = els.mean(axis=0)
     else:
         scale = np.ldexp(1.0, scales[0].astype(np.int64) - 127)[..., None]

@@ -89,12 +89,15 @@ def _kernel(*refs, fmt, axis, stochastic, scale_mode, stride, index_stride, inte
         t = t_ref[0]
         s_raw = jnp.minimum(div(div(amax, np.float32(elem.max)), t), np.float32(E4M3.max))
         s = nx.round_to_grid(jnp.where(t > 0, s_raw, np.float32(0)), E4M3)
-        st = s * t
-        v = div(xb, jnp.where(st > 0, st, np.float32(1.0)))
+        # x * ((1 / t) / s), as lowbit: the reciprocal per block, a product per element
+        live = s > 0
+        inv_t = div(jnp.full(s.shape, 1.0, jnp.float32), jnp.broadcast_to(t, s.shape))
+        r = jnp.where(live, div(inv_t, jnp.where(live, s, 1.0)), 0.0)
+        v = xb * r
         scode = jnp.where(finite, nx.encode(s, E4M3), UE4M3_NAN)
     v = jnp.clip(v, -elem.max, elem.max)
     if not fmt.is_mx:
-        v = jnp.where(st > 0, v, np.float32(0))
+        v = jnp.where(r > 0, v, np.float32(0))
     q = nx.round_to_grid(v, elem, rbits)
     q = jnp.where(finite, q, np.float32(0))  # a NaN/Inf block: NaN scale, zero codes
     codes = nx.encode(q, elem).reshape(rows, cols)
