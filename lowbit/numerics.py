@@ -16,6 +16,7 @@ from lowbit.formats import ElementFormat
 
 __all__ = [
     "pow2",
+    "fmix32",
     "ldexp_exact",
     "materialize",
     "exponent",
@@ -100,7 +101,7 @@ def key_words(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     return key[0], key[1]
 
 
-def _fmix32(h: jax.Array) -> jax.Array:
+def fmix32(h: jax.Array) -> jax.Array:
     # MurmurHash3's 32-bit finaliser: a bijection with full avalanche.
     h = h ^ (h >> 16)
     h = h * jnp.uint32(0x85EBCA6B)
@@ -118,8 +119,8 @@ def uniform_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     k0, k1 = key_words(key)
     # Hash both key words into the two per-call constants first, so that keys differing in
     # one word (jax.random.key(s) is [0, s]) give unrelated streams, not shuffled copies.
-    ka = _fmix32(k1 ^ _fmix32(k0 + jnp.uint32(0x7F4A7C15)))
-    kb = _fmix32(ka ^ jnp.uint32(0x2545F491))
+    ka = fmix32(k1 ^ fmix32(k0 + jnp.uint32(0x7F4A7C15)))
+    kb = fmix32(ka ^ jnp.uint32(0x2545F491))
     n = 1
     for d in shape:
         n *= d
@@ -128,7 +129,7 @@ def uniform_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     idx = lax.iota(jnp.uint32, n).reshape(shape) if shape else jnp.uint32(0)
     # (idx ^ ka) * odd + kb is a bijection of the index for each key, and fmix32 is a
     # bijection with full avalanche: one round per element is enough for rounding decisions.
-    return _fmix32((idx ^ ka) * jnp.uint32(0x9E3779B9) + kb)
+    return fmix32((idx ^ ka) * jnp.uint32(0x9E3779B9) + kb)
 
 
 def round_to_grid(

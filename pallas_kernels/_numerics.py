@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
 from lowbit.formats import ElementFormat
+from lowbit.numerics import fmix32
 
 __all__ = [
     "fmix32",
@@ -44,15 +45,6 @@ INF_BITS = 0x7F800000
 
 def _u32(v) -> jax.Array:
     return jnp.asarray(v, jnp.uint32) if not isinstance(v, int) else jnp.uint32(v)
-
-
-def fmix32(h: jax.Array) -> jax.Array:
-    """MurmurHash3's 32-bit finaliser (as ``lowbit.numerics._fmix32``)."""
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * jnp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
 
 
 def hash_constants(key: jax.Array) -> jax.Array:
