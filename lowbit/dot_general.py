@@ -276,10 +276,72 @@ class _Static:
     lhs_dtype: np.dtype
     rhs_shape: tuple[int, ...]
     rhs_dtype: np.dtype
+    implementation: str = "xla"
+
+    @property
+    def pallas(self) -> bool:
+        """Whether the GEMMs go through pallas_kernels.gemm: asked for, and the call is a
+        plain ``x [..., K] @ w [K, N]`` (or ``w [N, K]``) with no batch dims, whose flattened
+        token axis keeps the emulation's blocks (a leading axis splits no block)."""
+        if self.implementation != "pallas":
+            return False
+        (lc, rc), (lb_, rb) = self.dn
+        nl = len(self.lhs_shape)
+        if lb_ or rb or lc != (nl - 1,) or len(self.rhs_shape) != 2 or rc not in ((0,), (1,)):
+            return False
+        return nl == 2 or self.lhs_shape[-2] % 256 == 0
+
+
+def _pallas_prep(x, gemm: GemmSpec, axis: int, signs):
+    """A GEMM operand for pallas_kernels.gemm: float32, Hadamard-transformed along ``axis``,
+    not yet quantized (the kernel path quantizes it)."""
+    x = _materialize(x.astype(jnp.float32))
+    if gemm.hadamard:
+        x = _hadamard_along(x, axis % x.ndim, gemm.hadamard, signs)
+    return x
+
+
+def _pallas_fwd(lhs, rhs, st: _Static, key):
+    from pallas_kernels.gemm import quantized_gemm  # lowbit does not import pallas eagerly
+
+    g, rc = st.recipe.fwd, st.dn[0][1][0]
+    signs = _signs(g, key, _FWD)
+    a = _pallas_prep(lhs, g, -1, signs)
+    b = _pallas_prep(rhs, g, rc, signs)
+    k = lhs.shape[-1]
+    y = quantized_gemm(a.reshape(-1, k), b if rc == 0 else b.T, g.lhs, g.rhs,
+                       _fold(key, _FWD, 0), _fold(key, _FWD, 1))
+    return y.reshape(*lhs.shape[:-1], y.shape[-1])
+
+
+def _pallas_bwd(lhs, rhs, dy, st: _Static, key):
+    """dlhs = dy . w^T and drhs = x^T . dy as [M, N] x [N, K] and [K, M] x [M, N] GEMMs."""
+    from pallas_kernels.gemm import quantized_gemm
+
+    recipe, rc = st.recipe, st.dn[0][1][0]
+    dl, dr = recipe.dlhs, recipe.drhs
+    k, n = lhs.shape[-1], dy.shape[-1]
+    lq = rq = fwd_signs = None
+    if dl.rhs is None or dr.lhs is None:  # straight-through operands: the forward's values
+        dims = _Dims.of(st.dn, lhs.ndim, rhs.ndim)
+        lq, rq, fwd_signs = _fwd_operands(lhs, rhs, dims, recipe, key)
+    s_dl, s_dr = _signs(dl, key, _DLHS), _signs(dr, key, _DRHS)
+    w = rhs if dl.rhs is not None else _effective(rq, recipe.fwd, rc, fwd_signs)
+    w = _pallas_prep(w, dl, 1 - rc, s_dl)
+    dy_dl = _pallas_prep(dy, dl, -1, s_dl).reshape(-1, n)
+    dlhs = quantized_gemm(dy_dl, w.T if rc == 0 else w, dl.lhs, dl.rhs,
+                          _fold(key, _DLHS, 0), _fold(key, _DLHS, 1)).reshape(lhs.shape)
+    x = lhs if dr.lhs is not None else _effective(lq, recipe.fwd, lhs.ndim - 1, fwd_signs)
+    x = _pallas_prep(x.reshape(-1, k), dr, 0, s_dr)
+    dy_dr = _pallas_prep(dy.reshape(-1, n), dr, 0, s_dr)
+    drhs = quantized_gemm(x.T, dy_dr, dr.lhs, dr.rhs, _fold(key, _DRHS, 0), _fold(key, _DRHS, 1))
+    return dlhs, (drhs if rc == 0 else drhs.T)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _qdot(lhs, rhs, key, st: _Static):
+    if st.pallas:
+        return _pallas_fwd(lhs, rhs, st, key).astype(st.out_dtype)
     dims = _Dims.of(st.dn, lhs.ndim, rhs.ndim)
     lq, rq, _ = _fwd_operands(lhs, rhs, dims, st.recipe, key)
     return _dot(lq, rq, st.dn).astype(st.out_dtype)
@@ -287,6 +349,8 @@ def _qdot(lhs, rhs, key, st: _Static):
 
 def _qdot_fwd(lhs, rhs, key, st: _Static):
     recipe = st.recipe
+    if st.pallas:  # the backward quantizes again from the high-precision operands
+        return _pallas_fwd(lhs, rhs, st, key).astype(st.out_dtype), (None, lhs, rhs, key)
     dims = _Dims.of(st.dn, lhs.ndim, rhs.ndim)
     lq, rq, signs = _fwd_operands(lhs, rhs, dims, recipe, key)
     y = _dot(lq, rq, st.dn).astype(st.out_dtype)
@@ -325,6 +389,9 @@ def _bwd_static_operands(lhs, rhs, lq, rq, fwd_signs, dims: _Dims, recipe: Recip
 def _qdot_bwd(st: _Static, res, dy):
     saved, lhs, rhs, key = res
     recipe, dn = st.recipe, st.dn
+    if st.pallas:
+        dlhs, drhs = _pallas_bwd(lhs, rhs, dy, st, key)
+        return dlhs.astype(st.lhs_dtype), drhs.astype(st.rhs_dtype), None
     dims = _Dims.of(dn, len(st.lhs_shape), len(st.rhs_shape))
     if saved is None:
         lq, rq, signs = _fwd_operands(lhs, rhs, dims, recipe, key)
@@ -356,6 +423,7 @@ def dot_general(
     key: jax.Array | None = None,
     preferred_element_type=None,
     precision=None,
+    implementation: str = "xla",
 ) -> jax.Array:
     """``lax.dot_general`` whose forward and backward GEMMs are quantized per ``recipe``.
 
@@ -370,6 +438,12 @@ def dot_general(
       preferred_element_type: output dtype (default: the operands' result type).
       precision: accepted for signature compatibility with ``lax.dot_general`` (Flax passes
         it); quantized GEMMs always accumulate in float32.
+      implementation: ``"xla"`` (the emulation) or ``"pallas"``: the three GEMMs of a plain
+        ``x [..., K] @ w`` go through ``pallas_kernels.gemm.quantized_gemm``, which lowers the
+        Pallas kernels for CUDA and the same emulation elsewhere (other dimension numbers, and
+        specs the kernels do not take, use the emulation). On CPU the values equal the "xla"
+        ones up to float32 summation order, except that stochastic rounding of a transposed
+        operand draws other (identically distributed) random bits.
 
     >>> import jax, jax.numpy as jnp, lowbit as lb
     >>> x, w = jnp.ones((4, 32)), jnp.ones((32, 8))
@@ -377,6 +451,8 @@ def dot_general(
     32.0
     """
     r = _recipes.get(recipe)
+    if implementation not in ("xla", "pallas"):
+        raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     for name, a in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
@@ -405,7 +481,8 @@ def dot_general(
             f"recipe {r.name!r} rounds stochastically in the forward: pass key= "
             "(a new key per step)"
         )
-    st = _Static(dn, r, out_dtype, tuple(lhs.shape), lhs.dtype, tuple(rhs.shape), rhs.dtype)
+    st = _Static(dn, r, out_dtype, tuple(lhs.shape), lhs.dtype, tuple(rhs.shape), rhs.dtype,
+                 implementation)
     return _qdot(lhs, rhs, key, st)
 
 
@@ -417,6 +494,7 @@ def einsum(
     recipe: str | Recipe | None = "none",
     key: jax.Array | None = None,
     preferred_element_type=None,
+    implementation: str = "xla",
 ) -> jax.Array:
     """Two-operand ``jnp.einsum`` through :func:`dot_general` (quantized per ``recipe``).
 
@@ -458,7 +536,8 @@ def einsum(
         (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)),
     )
     y = dot_general(lhs, rhs, dn, recipe=recipe, key=key,
-                    preferred_element_type=preferred_element_type)
+                    preferred_element_type=preferred_element_type,
+                    implementation=implementation)
     produced = batch + [c for c in a if c not in b] + [c for c in b if c not in a]
     if set(produced) != set(out):
         raise ValueError(f"subscripts {subscripts!r}: output labels do not match the inputs")
