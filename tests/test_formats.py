@@ -11,6 +11,7 @@ import pytest
 
 import lowbit as lb
 from tests import reference as ref
+from tests.elements import LB_ELEMS, ML_DTYPES
 
 # DESIGN.md "Format names": name -> (element, block size, scale format, tensor scale).
 FORMATS = {
@@ -48,21 +49,6 @@ ELEMENTS = {
 }
 INT8 = (8, 127.0 / 64.0, 2.0**-6, 0)  # bits, max, smallest positive value (2**-6), emax
 
-LB_ELEMS = {
-    "e4m3": lb.formats.E4M3,
-    "e5m2": lb.formats.E5M2,
-    "e3m2": lb.formats.E3M2,
-    "e2m3": lb.formats.E2M3,
-    "e2m1": lb.formats.E2M1,
-    "int8": lb.formats.INT8,
-}
-ML_DTYPES = {
-    "e4m3": ml_dtypes.float8_e4m3fn,
-    "e5m2": ml_dtypes.float8_e5m2,
-    "e3m2": ml_dtypes.float6_e3m2fn,
-    "e2m3": ml_dtypes.float6_e2m3fn,
-    "e2m1": ml_dtypes.float4_e2m1fn,
-}
 
 
 # --------------------------------------------------------------------------------------------
