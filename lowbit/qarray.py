@@ -221,10 +221,6 @@ class _Plan:
     gain: float = 1.0  # elements multiplied by this after scaling, values divided after
 
     @property
-    def other_shape(self) -> tuple[int, ...]:
-        return tuple(self.shape[i] for i in self.perm[: len(self.shape) - len(self.axes)])
-
-    @property
     def padded_shape(self) -> tuple[int, ...]:
         """The tensor's shape with each quantized axis zero-padded to a block multiple."""
         pad = dict(zip(self.axes, self.padded, strict=True))

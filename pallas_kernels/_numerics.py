@@ -43,10 +43,6 @@ _BIAS = 127
 INF_BITS = 0x7F800000
 
 
-def _u32(v) -> jax.Array:
-    return jnp.asarray(v, jnp.uint32) if not isinstance(v, int) else jnp.uint32(v)
-
-
 def hash_constants(key: jax.Array) -> jax.Array:
     """uint32[2] (ka, kb): the per-key constants of ``lowbit.numerics.uniform_bits``."""
     from lowbit.numerics import key_words
