@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-slow bench lint clean
+.PHONY: venv demo format-demo test test-slow bench lint clean
 
 venv: $(STAMP)
 
@@ -14,7 +14,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# Trains the tiny GPT under six recipes on Shakespeare (fetched once into data_cache/), then
+# writes runs/gpt-tiny/compare/curves.png and summary.md. Finished runs are reused.
 demo: $(STAMP)
+	$(PY) -m experiments.compare --config configs/gpt.py:size=tiny \
+		--recipes none,mxfp8,mxfp6,mxfp4,nvfp4,quartet
+
+format-demo: $(STAMP)
 	$(PY) -m experiments.format_demo
 
 test: $(STAMP)

@@ -37,6 +37,10 @@ SMALL_PARAMETERS = """\
 # Injected by tests/test_notebooks.py: tiny inputs, and the test suite's strict rank promotion.
 N = 1 << 12
 KEYS = 64
+RUNS = "runs"  # 02_training_curves: no runs in the temporary folder, so it trains a tiny demo
+DEMO_STEPS = 6
+import pathlib, lowbit
+DATA_PATH = str(pathlib.Path(lowbit.__file__).parents[1] / "README.md")
 import jax
 import matplotlib
 

@@ -1,0 +1,97 @@
+"""A byte-level GPT on the complete works of Shakespeare, trained under one lowbit recipe.
+
+    python -m experiments.train --config configs/gpt.py:size=tiny,recipe=mxfp4
+    python -m experiments.train --config configs/gpt.py:size=s,recipe=nvfp4 \
+        --config.train.steps=2000
+    python -m experiments.compare --config configs/gpt.py:size=xs \
+        --recipes none,mxfp8,mxfp6,mxfp4,nvfp4,quartet --seeds 0,1,2
+
+Arguments (after the colon, comma-separated): ``size`` (tiny | xs | s | m | l, about 0.1M /
+0.6M / 3.2M / 11M / 19M parameters), ``recipe`` (any ``lowbit.recipes.names()``), ``mlp``
+(dense | moe), ``seed``. Every other field is a flag override, e.g.
+``--config.model.positions=learned``, ``--config.data.path=my_corpus/``,
+``--config.mesh.fsdp=4``, ``--config.quant.high_precision='embed|head'``.
+
+The sizes are the MX whitepaper's and Quartet's GPT setting scaled to a 2-core CPU: the same
+architecture and recipes run unchanged on GPUs (``dtype='auto'`` computes in bfloat16 there and
+float32 on CPU, where the ``none`` recipe is then the float32 baseline). Only ``train.steps`` and
+``train.batch_size`` need to grow with the hardware.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from experiments.configlib import parse_arg
+
+# d_model, layers, heads, seq_len, batch, steps, peak lr
+SIZES = {
+    "tiny": (64, 2, 4, 64, 16, 150, 3e-3),
+    "xs": (128, 3, 4, 128, 16, 600, 2e-3),
+    "s": (256, 4, 4, 128, 16, 600, 1e-3),
+    "m": (384, 6, 6, 256, 32, 2000, 6e-4),
+    "l": (512, 6, 8, 256, 32, 4000, 6e-4),
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    a = parse_arg(arg, size="tiny", recipe="none", mlp="dense", seed=0)
+    if a.size not in SIZES:
+        raise ValueError(f"config argument size={a.size!r}: expected one of {sorted(SIZES)}")
+    d_model, layers, heads, seq_len, batch, steps, lr = SIZES[a.size]
+
+    c = ml_collections.ConfigDict()
+    c.name = f"gpt-{a.size}{'-moe' if a.mlp == 'moe' else ''}/{a.recipe}-s{a.seed}"
+    c.workdir = "runs"
+    c.seed = a.seed
+
+    c.model = ml_collections.ConfigDict()
+    c.model.vocab = 256
+    c.model.d_model = d_model
+    c.model.layers = layers
+    c.model.heads = heads
+    c.model.mlp_ratio = 4
+    c.model.seq_len = seq_len
+    c.model.positions = "rope"
+    c.model.tie_embeddings = False
+    c.model.mlp = a.mlp
+    c.model.experts = 4
+    c.model.top_k = 2
+    c.model.capacity_factor = 1.25
+    c.model.moe_aux_weight = 0.01
+    c.model.dtype = "auto"
+
+    c.quant = ml_collections.ConfigDict()
+    c.quant.recipe = a.recipe
+    # Modules kept in high precision (a regex over module paths, fullmatch): embeddings, the LM
+    # head and the MoE router, as in the MX and NVFP4 training recipes. "" keeps nothing.
+    c.quant.high_precision = r"embed|pos_embed|head|.*/router"
+
+    c.data = ml_collections.ConfigDict()
+    c.data.path = ""  # "" = Shakespeare (fetched once into cache_dir); or a text file / folder
+    c.data.cache_dir = "data_cache"
+    c.data.val_fraction = 0.1
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = steps
+    c.train.batch_size = batch
+    c.train.lr = lr
+    # Cadences follow train.steps when it is overridden (field references).
+    c.train.warmup_steps = c.train.get_ref("steps") // 20
+    c.train.min_lr_ratio = 0.1
+    c.train.weight_decay = 0.1
+    c.train.b1 = 0.9
+    c.train.b2 = 0.95
+    c.train.grad_clip = 1.0
+    c.train.log_every = 10
+    c.train.eval_every = c.train.get_ref("steps") // 10  # 0: only at the end
+    c.train.eval_batches = 8
+    c.train.checkpoint_every = c.train.get_ref("steps") // 2  # 0: only at the end
+    c.train.keep_checkpoints = 2
+    c.train.stop_at = 0  # > 0: stop after this step (checkpointed), as an interruption would
+    c.train.progress = True
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # -1: all devices not used by fsdp
+    c.mesh.fsdp = 1
+    return c

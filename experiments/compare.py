@@ -1,0 +1,312 @@
+"""Train one config under several recipes (and seeds), then plot and tabulate the comparison.
+
+    python -m experiments.compare --config configs/gpt.py:size=tiny \
+        --recipes none,mxfp8,mxfp6,mxfp4,nvfp4,quartet            # what `make demo` runs
+    python -m experiments.compare --config configs/gpt.py:size=xs --seeds 0,1,2 \
+        --recipes none,mxfp8,mxfp6,mxfp4,nvfp4,quartet
+
+Each (recipe, seed) is an ordinary run, ``runs/<group>/<recipe>-s<seed>/`` (``<group>`` is
+the part of ``config.name`` before its slash), trained by :func:`experiments.training.train`
+from the same initial parameters and batches for a given seed. A run that already finished with
+the same config is reused (``--rerun`` trains it again). Results go to ``runs/<group>/compare/``:
+
+* ``curves.png``: train loss (smoothed) and validation loss versus tokens, one line per recipe
+  (mean over seeds, shaded min..max), and the validation-loss gap to ``none`` in % versus tokens;
+* ``summary.md``: final validation loss (mean +- std over seeds), gap to ``none`` in %, and the
+  median step time as a ratio to ``none``'s (runs are timed one after another on the same
+  machine, not interleaved, so small ratios are within the machine's noise);
+* ``summary.json``: the same numbers, for notebooks.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from experiments import training
+
+__all__ = [
+    "RecipeResult",
+    "group_of",
+    "run_all",
+    "load_runs",
+    "summarize",
+    "render_markdown",
+    "plot_curves",
+    "compare",
+]
+
+BASELINE = "none"
+
+
+def group_of(name: str) -> str:
+    """``"gpt-tiny/mxfp4-s0"`` -> ``"gpt-tiny"``."""
+    return name.split("/", 1)[0]
+
+
+def _variant(base, recipe: str, seed: int):
+    c = copy.deepcopy(base)
+    c.quant.recipe = recipe
+    c.seed = seed
+    c.name = f"{group_of(base.name)}/{recipe}-s{seed}"
+    return c
+
+
+def _finished(cfg: training.RunConfig) -> bool:
+    d = cfg.run_dir
+    try:
+        summary = json.loads((d / "summary.json").read_text())
+        saved = json.loads((d / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return summary.get("step") == cfg.train.steps and saved == cfg.to_json()
+
+
+def run_all(
+    base,
+    recipes: Sequence[str],
+    seeds: Sequence[int],
+    *,
+    rerun: bool = False,
+    log: Callable[[str], None] = print,
+) -> list[Path]:
+    """Train every (recipe, seed) variant of the ConfigDict ``base``; returns their run dirs."""
+    cfgs = [training.RunConfig.from_config(_variant(base, r, s)) for s in seeds for r in recipes]
+    dirs = []
+    for cfg in cfgs:  # all configs are validated (recipe names included) before any training
+        if rerun:
+            training.remove_run(cfg.run_dir)
+        if _finished(cfg):
+            log(f"{cfg.name}: finished earlier with this config, reused")
+        else:  # a run left unfinished (same config) continues from its last checkpoint
+            r = training.train(cfg, resume=cfg.run_dir.exists(), log=log)
+            log(f"{cfg.name}: final validation loss {r.final_val_loss:.4f}")
+        dirs.append(cfg.run_dir)
+    return dirs
+
+
+@dataclasses.dataclass
+class RecipeResult:
+    recipe: str
+    seeds: list[int]
+    final_val: list[float]
+    step_s: list[float]
+    # per seed: (tokens, value) curves
+    train: list[tuple[np.ndarray, np.ndarray]]
+    val: list[tuple[np.ndarray, np.ndarray]]
+    params: int
+
+    @property
+    def val_mean(self) -> float:
+        return statistics.fmean(self.final_val)
+
+    @property
+    def val_std(self) -> float:
+        return statistics.stdev(self.final_val) if len(self.final_val) > 1 else 0.0
+
+
+def load_runs(run_dirs: Sequence[str | Path]) -> dict[str, RecipeResult]:
+    """Read runs (config.json, metrics.jsonl, summary.json) into one result per recipe."""
+    out: dict[str, RecipeResult] = {}
+    for d in map(Path, run_dirs):
+        summary = json.loads((d / "summary.json").read_text())
+        recs = training.read_metrics(d / "metrics.jsonl")
+        tr = [r for r in recs if r["kind"] == "train"]
+        ev = [r for r in recs if r["kind"] == "eval"]
+        res = out.setdefault(
+            summary["recipe"],
+            RecipeResult(summary["recipe"], [], [], [], [], [], summary["params"]),
+        )
+        res.seeds.append(summary["seed"])
+        res.final_val.append(summary["final_val_loss"])
+        if summary.get("step_s"):
+            res.step_s.append(summary["step_s"])
+        res.train.append((np.array([r["tokens"] for r in tr]), np.array([r["loss"] for r in tr])))
+        res.val.append((np.array([r["tokens"] for r in ev]), np.array([r["val_loss"] for r in ev])))
+    return out
+
+
+def summarize(results: dict[str, RecipeResult]) -> list[dict]:
+    """One row per recipe: final validation loss, gap to ``none`` (%), step-time ratio."""
+    base = results.get(BASELINE)
+    base_t = statistics.median(base.step_s) if base and base.step_s else None
+    rows = []
+    for r in results.values():
+        t = statistics.median(r.step_s) if r.step_s else None
+        rows.append(
+            {
+                "recipe": r.recipe,
+                "seeds": len(r.seeds),
+                "params": r.params,
+                "val_loss": r.val_mean,
+                "val_loss_std": r.val_std,
+                "gap_pct": 100 * (r.val_mean / base.val_mean - 1) if base else None,
+                "step_s": t,
+                "step_ratio": t / base_t if t and base_t else None,
+            }
+        )
+    return rows
+
+
+def _fmt(v, spec: str, missing: str = "-") -> str:
+    return missing if v is None else format(v, spec)
+
+
+def render_markdown(rows: list[dict], *, title: str, command: str) -> str:
+    lines = [
+        f"# {title}",
+        "",
+        f"Command: `{command}`",
+        "",
+        "| recipe | seeds | final val loss | gap to none | step time / none |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        loss = f"{r['val_loss']:.4f}"
+        if r["seeds"] > 1:
+            loss += f" ± {r['val_loss_std']:.4f}"
+        gap = _fmt(r["gap_pct"], "+.2f") + ("%" if r["gap_pct"] is not None else "")
+        lines.append(
+            f"| {r['recipe']} | {r['seeds']} | {loss} | {gap} | {_fmt(r['step_ratio'], '.2f')}x |"
+        )
+    lines += [
+        "",
+        "Final val loss: mean (± standard deviation over seeds) of the validation loss (nats per "
+        "byte) at the last step. Gap: relative to `none` (the float baseline). Step time: median "
+        "step time over `none`'s, runs timed one after another on the same machine.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _ema(y: np.ndarray, alpha: float = 0.2) -> np.ndarray:
+    out = np.empty_like(y, dtype=float)
+    acc = y[0]
+    for i, v in enumerate(y):
+        acc = alpha * v + (1 - alpha) * acc
+        out[i] = acc
+    return out
+
+
+def _band(curves: list[tuple[np.ndarray, np.ndarray]], smooth: bool):
+    n = min(len(c[0]) for c in curves)
+    x = curves[0][0][:n]
+    ys = np.stack([(_ema(c[1][:n]) if smooth else c[1][:n]) for c in curves])
+    return x, ys.mean(0), ys.min(0), ys.max(0)
+
+
+def plot_curves(results: dict[str, RecipeResult], path: str | Path, *, title: str = "") -> Path:
+    """Train loss, validation loss and gap-to-none versus tokens (see the module docstring)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    base = results.get(BASELINE)
+    for r in results.values():
+        for ax, curves, smooth in ((axes[0], r.train, True), (axes[1], r.val, False)):
+            x, m, lo, hi = _band(curves, smooth)
+            (line,) = ax.plot(
+                x,
+                m,
+                label=r.recipe,
+                lw=1.8 if r.recipe == BASELINE else 1.2,
+                color="black" if r.recipe == BASELINE else None,
+                zorder=3 if r.recipe == BASELINE else 2,  # the baseline on top
+            )
+            if len(curves) > 1:
+                ax.fill_between(x, lo, hi, alpha=0.15, color=line.get_color())
+        if base is not None and r.recipe != BASELINE:
+            x, m, _, _ = _band(r.val, False)
+            xb, mb, _, _ = _band(base.val, False)
+            n = min(len(x), len(xb))
+            axes[2].plot(x[:n], 100 * (m[:n] / mb[:n] - 1), label=r.recipe)
+    axes[0].set_title("train loss (EMA)")
+    axes[1].set_title("validation loss")
+    axes[2].set_title("validation loss gap to none (%)")
+    axes[2].axhline(0, color="black", lw=0.8)
+    for ax in axes:
+        ax.set_xlabel("tokens")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("nats / byte")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def compare(
+    base,
+    recipes: Sequence[str],
+    seeds: Sequence[int] = (0,),
+    *,
+    out: str | Path | None = None,
+    rerun: bool = False,
+    command: str = "",
+    log: Callable[[str], None] = print,
+) -> tuple[Path, Path]:
+    """Run, plot and tabulate; returns the paths of ``curves.png`` and ``summary.md``."""
+    if BASELINE not in recipes:
+        log(f"note: {BASELINE!r} is not among the recipes; gaps are left blank")
+    dirs = run_all(base, recipes, seeds, rerun=rerun, log=log)
+    group = group_of(base.name)
+    out = Path(out) if out else Path(base.workdir) / group / "compare"
+    out.mkdir(parents=True, exist_ok=True)
+    results = load_runs(dirs)
+    rows = summarize(results)
+    png = plot_curves(results, out / "curves.png", title=f"{group}: {', '.join(recipes)}")
+    md = out / "summary.md"
+    md.write_text(render_markdown(rows, title=f"{group}: recipes compared", command=command))
+    (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return png, md
+
+
+def main(argv: list[str]) -> None:
+    from experiments.configlib import ConfigError
+
+    if len(argv) > 1:
+        from absl import app
+
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    recipes = [r for r in _RECIPES.value.split(",") if r]
+    seeds = [int(s) for s in _SEEDS.value.split(",") if s]
+    command = " ".join(["python -m experiments.compare", *sys.argv[1:]])
+    try:
+        png, md = compare(
+            _CONFIG.value, recipes, seeds, out=_OUT.value, rerun=_RERUN.value, command=command
+        )
+    except (ConfigError, ValueError, training.TrainingDiverged) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(md.read_text())
+    print(f"figure: {png}\ntable:  {md}")
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "config file and argument")
+    _RECIPES = flags.DEFINE_string(
+        "recipes", "none,mxfp8,mxfp6,mxfp4,nvfp4,quartet", "comma-separated recipe names"
+    )
+    _SEEDS = flags.DEFINE_string("seeds", "0", "comma-separated seeds")
+    _OUT = flags.DEFINE_string("out", None, "output folder (default runs/<group>/compare)")
+    _RERUN = flags.DEFINE_bool("rerun", False, "train runs again even when they finished")
+    flags.mark_flags_as_required(["config"])
+    app.run(main)

@@ -1,0 +1,410 @@
+"""A decoder-only GPT in Flax NNX for the low-bit training experiments.
+
+Pre-norm blocks (RMSNorm), causal multi-head self-attention with rotary (RoPE, rotate-half)
+or learned positions, a dense GELU MLP or a token-choice top-k mixture of experts with
+capacity (GShard / Switch), a final norm and an LM head (tied to the embedding or not).
+
+Every GEMM with a weight is an ``nnx.Linear`` or, for the expert weights, an ``nnx.Einsum``,
+so that :func:`lowbit.flax.quantize` reaches it by its path (``re.fullmatch`` on these):
+
+================================  ======================================================
+``embed``, ``pos_embed``          ``nnx.Embed`` (``pos_embed``: learned positions only)
+``blocks/<i>/norm1``, ``norm2``   ``nnx.RMSNorm`` before attention / before the MLP
+``blocks/<i>/attn/qkv``, ``out``  fused ``d -> 3d`` projection, output projection
+``blocks/<i>/mlp/up``, ``down``   dense MLP ``d -> ratio d -> d``
+``blocks/<i>/moe/router``         ``nnx.Linear`` ``d -> experts``, computed in float32
+``blocks/<i>/moe/up``, ``down``   ``nnx.Einsum`` kernels ``[E, d, f]`` and ``[E, f, d]``
+``norm_f``, ``head``              final norm; LM head (untied only)
+================================  ======================================================
+
+The attention math (``q k^T / sqrt(d)``, causal mask, float32 softmax, ``p v``) is written with
+``jnp.einsum`` and is not a quantization site: it stays in high precision.
+
+Dtypes: parameters are float32; activations are computed in ``cfg.dtype``; the router, the LM
+head, the logits and the loss are float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+__all__ = [
+    "GPTConfig",
+    "GPT",
+    "Block",
+    "Attention",
+    "MLP",
+    "MoE",
+    "loss_fn",
+    "n_params",
+    "moe_capacity",
+    "route",
+    "rope",
+]
+
+POSITIONS = ("rope", "learned")
+MLPS = ("dense", "moe")
+DTYPES = ("float32", "bfloat16")
+INIT_STD = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Shape and numerics of a :class:`GPT`; validated on construction."""
+
+    vocab: int = 256  # byte-level tokens
+    d_model: int = 128
+    layers: int = 2
+    heads: int = 4
+    mlp_ratio: int = 4
+    seq_len: int = 128  # max sequence length (size of the learned position table)
+    positions: str = "rope"  # "rope" | "learned"
+    tie_embeddings: bool = False  # True: logits = embed.attend(x); False: a `head` Linear
+    mlp: str = "dense"  # "dense" | "moe"
+    experts: int = 4
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    capacity_multiple: int = 32  # capacity rounded up to this (lowbit blocks / Hadamards)
+    moe_aux_weight: float = 0.01  # weight of the Switch load-balancing loss
+    dtype: str = "float32"  # compute dtype: "float32" | "bfloat16" (parameters: float32)
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        ints = ("vocab", "d_model", "layers", "heads", "mlp_ratio", "seq_len", "experts")
+        for name in (*ints, "capacity_multiple"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model={self.d_model} must be a multiple of heads={self.heads}")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
+        if self.mlp not in MLPS:
+            raise ValueError(f"mlp must be one of {MLPS}, got {self.mlp!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k={self.top_k!r} must be in [1, experts={self.experts}]")
+        if not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be positive, got {self.capacity_factor!r}")
+        if not self.moe_aux_weight >= 0:
+            raise ValueError(f"moe_aux_weight must be >= 0, got {self.moe_aux_weight!r}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"positions='rope' needs an even head dim, got d_model / heads = {self.head_dim}"
+            )
+        if not self.rope_base > 0:
+            raise ValueError(f"rope_base must be positive, got {self.rope_base!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    @property
+    def d_ff(self) -> int:
+        return self.mlp_ratio * self.d_model
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+
+def n_params(cfg: GPTConfig) -> int:
+    """The number of parameters of ``GPT(cfg)``, in closed form.
+
+    >>> n_params(GPTConfig(d_model=64, layers=2, heads=4))
+    131392
+    """
+    d, f, e = cfg.d_model, cfg.d_ff, cfg.experts
+    mlp = e * d + 2 * e * d * f if cfg.mlp == "moe" else 2 * d * f
+    block = 2 * d + 4 * d * d + mlp  # two norms, qkv, out, MLP
+    total = cfg.vocab * d + cfg.layers * block + d  # embed, blocks, norm_f
+    if cfg.positions == "learned":
+        total += cfg.seq_len * d
+    if not cfg.tie_embeddings:
+        total += d * cfg.vocab
+    return total
+
+
+def moe_capacity(cfg: GPTConfig, seq_len: int) -> int:
+    """Slots per expert and sequence: ``ceil(capacity_factor * T * top_k / experts)``, rounded
+    up to a multiple of ``capacity_multiple`` (default 32), and at most ``T`` rounded the same
+    way (a token chooses an expert at most once, so no expert receives more than ``T``).
+
+    lowbit blocks the expert weight-gradient GEMM along the capacity axis (blocks of 16 / 32)
+    and its Hadamard transforms need the length to be a multiple of their size (16 for
+    ``nvfp4``, 32 for ``quartet``, 64 for ``mxfp4_bwd``: use ``capacity_multiple=64`` there).
+    ``capacity_factor >= experts / top_k`` drops nothing.
+
+    >>> moe_capacity(GPTConfig(mlp="moe"), 128), moe_capacity(GPTConfig(mlp="moe"), 8)
+    (96, 32)
+    """
+
+    def up(n: int) -> int:
+        return -(-n // cfg.capacity_multiple) * cfg.capacity_multiple
+
+    c = math.ceil(cfg.capacity_factor * seq_len * cfg.top_k / cfg.experts)
+    return min(up(c), up(seq_len))
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces
+
+
+def _normal(std: float):
+    return nnx.initializers.normal(stddev=std)
+
+
+def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, *, std: float = INIT_STD, dtype=None):
+    return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, kernel_init=_normal(std), rngs=rngs)
+
+
+def rope(x_BTHK: jax.Array, positions_T: jax.Array, base: float) -> jax.Array:
+    """Rotary position embedding (rotate-half): feature pairs ``(i, i + K/2)`` rotated by the
+    angle ``position * base^(-2i/K)``; computed in float32, returned in ``x``'s dtype.
+
+    >>> x = jnp.ones((1, 3, 1, 4))
+    >>> bool(jnp.all(rope(x, jnp.zeros(3), 1e4) == x))
+    True
+    """
+    k = x_BTHK.shape[-1]
+    freqs_F = base ** (-jnp.arange(0, k, 2, dtype=jnp.float32) / k)
+    angles_TF = positions_T.astype(jnp.float32)[:, None] * freqs_F[None, :]
+    cos_TK = jnp.concatenate([jnp.cos(angles_TF)] * 2, axis=-1)[None, :, None, :]
+    sin_TK = jnp.concatenate([jnp.sin(angles_TF)] * 2, axis=-1)[None, :, None, :]
+    x = x_BTHK.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x * cos_TK + rotated * sin_TK).astype(x_BTHK.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention: fused ``qkv`` projection, ``out`` projection."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        d, dt = cfg.d_model, cfg.compute_dtype
+        self.cfg = cfg
+        self.qkv = _linear(d, 3 * d, rngs, dtype=dt)
+        self.out = _linear(d, d, rngs, std=INIT_STD / math.sqrt(2 * cfg.layers), dtype=dt)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        b, t, d = x_BTD.shape
+        h, k = cfg.heads, cfg.head_dim
+        qkv_BT3HK = self.qkv(x_BTD).reshape(b, t, 3, h, k)
+        q_BTHK, k_BTHK, v_BTHK = (qkv_BT3HK[:, :, i] for i in range(3))
+        if cfg.positions == "rope":
+            pos_T = jnp.arange(t)
+            q_BTHK = rope(q_BTHK, pos_T, cfg.rope_base)
+            k_BTHK = rope(k_BTHK, pos_T, cfg.rope_base)
+        scores_BHTS = jnp.einsum(
+            "bthk,bshk->bhts", q_BTHK, k_BTHK, preferred_element_type=jnp.float32
+        ) / np.float32(math.sqrt(k))
+        causal_TS = jnp.tril(jnp.ones((t, t), dtype=bool))
+        scores_BHTS = jnp.where(causal_TS[None, None], scores_BHTS, jnp.finfo(jnp.float32).min)
+        probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1)
+        y_BTHK = jnp.einsum(
+            "bhts,bshk->bthk",
+            probs_BHTS.astype(v_BTHK.dtype),
+            v_BTHK,
+            preferred_element_type=jnp.float32,
+        ).astype(x_BTD.dtype)
+        return self.out(y_BTHK.reshape(b, t, d))
+
+
+class MLP(nnx.Module):
+    """Dense GELU MLP: ``up`` (d -> ratio d), GELU, ``down``."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        d, f, dt = cfg.d_model, cfg.d_ff, cfg.compute_dtype
+        self.up = _linear(d, f, rngs, dtype=dt)
+        self.down = _linear(f, d, rngs, std=INIT_STD / math.sqrt(2 * cfg.layers), dtype=dt)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        return self.down(nnx.gelu(self.up(x_BTD)))
+
+
+def route(
+    logits_BTE: jax.Array, top_k: int, capacity: int, dtype=jnp.float32
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Token-choice top-k routing with capacity, per sequence (group = one row of the batch).
+
+    Each token picks its ``top_k`` most probable experts; gates are the chosen probabilities
+    renormalized over the ``k`` choices. A token's slot in its expert's buffer is its rank
+    among the assignments to that expert, first choices of all tokens before second choices,
+    then token order; assignments past ``capacity`` are dropped (gate 0).
+
+    Returns ``dispatch_BTEC`` (one-hot, ``dtype``), ``combine_BTEC`` (gates, ``dtype``), the
+    Switch load-balancing loss ``E * sum_e f_e p_e`` (``f_e``: fraction of tokens whose first
+    choice is ``e``; ``p_e``: mean router probability; averaged over sequences; 1 when
+    balanced, ``E`` when collapsed) and the fraction of assignments dropped (float32).
+
+    >>> d, c, aux, dropped = route(jnp.zeros((1, 4, 2)), top_k=1, capacity=3)
+    >>> d.shape, d[0, :, 0].sum(-1).tolist(), float(aux), float(dropped)
+    ((1, 4, 2, 3), [1.0, 1.0, 1.0, 0.0], 1.0, 0.25)
+    """
+    b, t, e = logits_BTE.shape
+    probs_BTE = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
+    gates_BTK, idx_BTK = jax.lax.top_k(probs_BTE, top_k)
+    gates_BTK = gates_BTK / jnp.sum(gates_BTK, axis=-1, keepdims=True)
+    mask_BTKE = jax.nn.one_hot(idx_BTK, e, dtype=jnp.int32)
+    # priority: all first choices (in token order), then all second choices, ...
+    mask_BNE = jnp.swapaxes(mask_BTKE, 1, 2).reshape(b, top_k * t, e)
+    slot_BNE = jnp.cumsum(mask_BNE, axis=1) - 1
+    slot_BTK = jnp.sum(slot_BNE * mask_BNE, axis=-1).reshape(b, top_k, t).swapaxes(1, 2)
+    slot_BTKC = jax.nn.one_hot(slot_BTK, capacity, dtype=jnp.float32)  # zero when >= capacity
+    mask_BTKE = mask_BTKE.astype(jnp.float32)
+    dispatch_BTEC = jnp.einsum("btke,btkc->btec", mask_BTKE, slot_BTKC)
+    combine_BTEC = jnp.einsum("btke,btk,btkc->btec", mask_BTKE, gates_BTK, slot_BTKC)
+    first_BE = jnp.mean(mask_BTKE[:, :, 0, :], axis=1)
+    prob_BE = jnp.mean(probs_BTE, axis=1)
+    aux = jnp.mean(e * jnp.sum(first_BE * prob_BE, axis=-1))
+    dropped = jnp.mean((slot_BTK >= capacity).astype(jnp.float32))
+    return dispatch_BTEC.astype(dtype), combine_BTEC.astype(dtype), aux, dropped
+
+
+class MoE(nnx.Module):
+    """Mixture of GELU-MLP experts: a float32 ``router``, experts as ``nnx.Einsum`` (``up``:
+    ``[E, d, f]``, ``down``: ``[E, f, d]``) over per-expert buffers ``[B, E, C, d]``."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        d, f, e, dt = cfg.d_model, cfg.d_ff, cfg.experts, cfg.compute_dtype
+        self.cfg = cfg
+        self.router = _linear(d, e, rngs, dtype=jnp.float32)
+        self.up = nnx.Einsum(
+            "becd,edf->becf", (e, d, f), dtype=dt, kernel_init=_normal(INIT_STD), rngs=rngs
+        )
+        down_init = _normal(INIT_STD / math.sqrt(2 * cfg.layers))
+        self.down = nnx.Einsum(
+            "becf,efd->becd", (e, f, d), dtype=dt, kernel_init=down_init, rngs=rngs
+        )
+
+    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """-> (y_BTD, unweighted load-balancing loss, fraction of assignments dropped)."""
+        cfg = self.cfg
+        capacity = moe_capacity(cfg, x_BTD.shape[1])
+        logits_BTE = self.router(x_BTD)
+        dispatch_BTEC, combine_BTEC, aux, dropped = route(
+            logits_BTE, cfg.top_k, capacity, x_BTD.dtype
+        )
+        x_BECD = jnp.einsum("btd,btec->becd", x_BTD, dispatch_BTEC)
+        y_BECD = self.down(nnx.gelu(self.up(x_BECD)))
+        y_BTD = jnp.einsum("becd,btec->btd", y_BECD, combine_BTEC)
+        return y_BTD, aux, dropped
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: ``x + attn(norm1(x))``, then ``+ mlp|moe(norm2(x))``."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        d, dt = cfg.d_model, cfg.compute_dtype
+        self.norm1 = nnx.RMSNorm(d, dtype=dt, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.norm2 = nnx.RMSNorm(d, dtype=dt, rngs=rngs)
+        if cfg.mlp == "moe":
+            self.moe = MoE(cfg, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """-> (x_BTD, load-balancing loss, dropped fraction); both 0 for a dense MLP."""
+        x_BTD = x_BTD + self.attn(self.norm1(x_BTD))
+        h_BTD = self.norm2(x_BTD)
+        if hasattr(self, "moe"):
+            y_BTD, aux, dropped = self.moe(h_BTD)
+        else:
+            y_BTD, aux, dropped = self.mlp(h_BTD), jnp.float32(0), jnp.float32(0)
+        return x_BTD + y_BTD, aux, dropped
+
+
+class GPT(nnx.Module):
+    """Decoder-only transformer over byte tokens; see the module docstring for paths.
+
+    >>> cfg = GPTConfig(d_model=32, layers=1, heads=2, seq_len=16)
+    >>> model = GPT(cfg, rngs=nnx.Rngs(0))
+    >>> logits_BTV, aux = model(jnp.zeros((2, 16), jnp.int32))
+    >>> logits_BTV.shape, logits_BTV.dtype, float(aux)
+    ((2, 16, 256), dtype('float32'), 0.0)
+    >>> n_params(cfg) == sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    True
+    """
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        d = cfg.d_model
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab, d, embedding_init=_normal(INIT_STD), rngs=rngs)
+        if cfg.positions == "learned":
+            self.pos_embed = nnx.Embed(cfg.seq_len, d, embedding_init=_normal(INIT_STD), rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
+        self.norm_f = nnx.RMSNorm(d, dtype=cfg.compute_dtype, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.head = _linear(d, cfg.vocab, rngs, dtype=jnp.float32)
+
+    def __call__(self, tokens_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """-> (logits_BTV float32, aux_loss: the weighted MoE load-balancing loss summed over
+        layers, float32; 0 for a dense MLP)."""
+        logits_BTV, stats = self.forward(tokens_BT)
+        return logits_BTV, stats["aux_loss"]
+
+    def forward(self, tokens_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """-> (logits_BTV, {"aux_loss": weighted, summed over layers; "moe_dropped": the
+        fraction of expert assignments dropped, averaged over layers (0 when dense)})."""
+        cfg = self.cfg
+        if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
+            raise ValueError(
+                f"tokens must be an integer array [batch, time], got {tokens_BT.dtype} "
+                f"{tokens_BT.shape}"
+            )
+        t = tokens_BT.shape[1]
+        x_BTD = self.embed(tokens_BT)
+        if cfg.positions == "learned":
+            if t > cfg.seq_len:
+                raise ValueError(
+                    f"{t} tokens per sequence, but positions='learned' has a table of "
+                    f"seq_len={cfg.seq_len} positions"
+                )
+            x_BTD = x_BTD + self.pos_embed(jnp.arange(t))[None]
+        x_BTD = x_BTD.astype(cfg.compute_dtype)
+        aux, dropped = jnp.float32(0), jnp.float32(0)
+        for block in self.blocks:
+            x_BTD, aux_l, dropped_l = block(x_BTD)
+            aux, dropped = aux + aux_l, dropped + dropped_l
+        x_BTD = self.norm_f(x_BTD).astype(jnp.float32)
+        if cfg.tie_embeddings:
+            logits_BTV = self.embed.attend(x_BTD)
+        else:
+            logits_BTV = self.head(x_BTD)
+        stats = {
+            "aux_loss": (cfg.moe_aux_weight * aux).astype(jnp.float32),
+            "moe_dropped": (dropped / cfg.layers).astype(jnp.float32),
+        }
+        return logits_BTV.astype(jnp.float32), stats
+
+
+def loss_fn(model: GPT, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean next-token cross-entropy plus the weighted MoE load-balancing loss.
+
+    ``batch``: ``{"inputs": int32[B, T], "targets": int32[B, T]}``. Returns ``(loss, metrics)``
+    with ``metrics = {"loss": cross-entropy, "aux_loss": aux}`` and, for MoE models,
+    ``"moe_dropped"`` (the fraction of expert assignments over capacity).
+
+    >>> model = GPT(GPTConfig(d_model=32, layers=1, heads=2, seq_len=8), rngs=nnx.Rngs(0))
+    >>> tokens = jnp.zeros((2, 8), jnp.int32)
+    >>> loss, metrics = loss_fn(model, {"inputs": tokens, "targets": tokens})
+    >>> abs(float(loss) - math.log(256)) < 0.1, sorted(metrics)
+    (True, ['aux_loss', 'loss'])
+    """
+    logits_BTV, stats = model.forward(batch["inputs"])
+    ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"]))
+    aux = stats["aux_loss"]
+    metrics = {"loss": ce, "aux_loss": aux}
+    if model.cfg.mlp == "moe":
+        metrics["moe_dropped"] = stats["moe_dropped"]
+    return ce + aux, metrics

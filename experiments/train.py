@@ -1,0 +1,55 @@
+"""Train one GPT run from a config file (the logic lives in :mod:`experiments.training`).
+
+    python -m experiments.train --config configs/gpt.py:size=tiny,recipe=mxfp4
+    python -m experiments.train --config configs/gpt.py:size=xs,recipe=nvfp4 \
+        --config.train.steps=1000 --config.mesh.fsdp=2
+    python -m experiments.train --config configs/gpt.py:size=tiny,recipe=mxfp4 --resume
+
+Writes ``runs/<config.name>/`` (config.json, metrics.jsonl, summary.json, checkpoints/).
+Exit status 1 with a one-line reason for a bad config or data, an existing run without
+``--resume``, or a diverged run (its last good checkpoint is kept).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from experiments import data as data_lib
+from experiments import training
+from experiments.configlib import ConfigError
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "a config file and its argument, e.g. configs/gpt.py:size=tiny,recipe=mxfp4"
+)
+_RESUME = flags.DEFINE_bool("resume", False, "continue the run from its last checkpoint")
+flags.mark_flags_as_required(["config"])
+
+EXPECTED_ERRORS = (
+    ConfigError,
+    data_lib.DataError,
+    training.TrainingDiverged,
+    training.RunExists,
+)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    try:
+        cfg = training.RunConfig.from_config(_CONFIG.value)
+        result = training.train(cfg, resume=_RESUME.value)
+    except (*EXPECTED_ERRORS, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(
+        f"{cfg.name}: step {result.step}, final validation loss {result.final_val_loss:.4f}; "
+        f"metrics in {result.metrics_path}"
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)

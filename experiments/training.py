@@ -1,0 +1,661 @@
+"""The training loop of the GPT experiments: sharded, checkpointed, resumable, logged.
+
+:func:`train` takes a :class:`RunConfig` (built from a config file by
+:meth:`RunConfig.from_config`) and writes, under ``<workdir>/<name>/``::
+
+    config.json      the resolved config (what ran; compared on --resume)
+    metrics.jsonl    {"kind": "train", step, tokens, loss, aux_loss, grad_norm, lr, step_s,
+                      tokens_per_s} every log_every steps; {"kind": "eval", step, tokens,
+                      val_loss} every eval_every steps and at the end
+    summary.json     final validation loss, median step time, tokens/s
+    checkpoints/     orbax: the train state (parameters, optimizer, quantizer rng state,
+                     step) and the data position, every checkpoint_every steps and at the end
+
+The model is :class:`experiments.model.GPT`; every linear layer not matched by
+``quant.high_precision`` runs under ``quant.recipe`` through :func:`lowbit.flax.quantize`.
+The step is one ``jax.jit`` with ``NamedSharding``s on a ``Mesh(("data", "fsdp"))``: the batch
+splits over both axes, parameters and optimizer moments split their largest divisible axis over
+``fsdp`` (one device is the degenerate case). Metrics are fetched one step late so the device
+never waits on the host; a non-finite loss or gradient norm stops the run with its step number,
+and only checkpoints whose step was verified finite are written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import lowbit as lb
+import lowbit.flax as lbf
+from experiments import data as data_lib
+from experiments.configlib import ConfigError, to_dataclass, to_plain
+from experiments.model import GPT, GPTConfig, loss_fn
+
+__all__ = [
+    "TrainConfig",
+    "QuantConfig",
+    "MeshConfig",
+    "RunConfig",
+    "RunResult",
+    "TrainingDiverged",
+    "RunExists",
+    "train",
+    "make_mesh",
+    "quant_rules",
+    "read_metrics",
+]
+
+AXES = ("data", "fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimizer, schedule and loop cadence (AdamW, linear warmup then cosine decay)."""
+
+    steps: int = 100
+    batch_size: int = 16
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    log_every: int = 10
+    eval_every: int = 50  # 0: only at the end
+    eval_batches: int = 8
+    checkpoint_every: int = 50  # 0: only at the end
+    keep_checkpoints: int = 2
+    stop_at: int = 0  # > 0: stop (with a checkpoint) after this step, as an interruption would
+    progress: bool = True
+
+    def __post_init__(self):
+        for f in ("steps", "batch_size", "log_every", "eval_batches", "keep_checkpoints"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"train.{f} must be >= 1, got {getattr(self, f)}")
+        for f in ("eval_every", "checkpoint_every"):
+            if getattr(self, f) < 0:
+                raise ValueError(
+                    f"train.{f} must be >= 0 (0: only at the end), got {getattr(self, f)}"
+                )
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(f"train.warmup_steps must be in [0, steps], got {self.warmup_steps}")
+        if self.lr <= 0:
+            raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if not 0 <= self.stop_at <= self.steps:
+            raise ValueError(f"train.stop_at must be in [0, steps], got {self.stop_at}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """Which recipe the model's linear layers train under, and which modules stay float."""
+
+    recipe: str = "none"
+    high_precision: str = r"embed|pos_embed|head|.*/router"
+
+    def __post_init__(self):
+        try:
+            lb.recipes.get(self.recipe)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"quant.recipe: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh shape: ``data`` x ``fsdp`` (``data=-1``: the devices left over)."""
+
+    data: int = -1
+    fsdp: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    name: str
+    model: GPTConfig
+    data: data_lib.DataConfig
+    train: TrainConfig
+    quant: QuantConfig
+    mesh: MeshConfig = MeshConfig()
+    seed: int = 0
+    workdir: str = "runs"
+
+    @classmethod
+    def from_config(cls, c) -> RunConfig:
+        """From a ConfigDict such as ``configs/gpt.py``'s (dtype ``auto`` resolved here)."""
+        c = to_plain(c)
+        known = {"name", "model", "data", "train", "quant", "mesh", "seed", "workdir"}
+        unknown = sorted(set(c) - known)
+        if unknown:
+            raise ConfigError(f"config: unknown key(s) {unknown}; expected {sorted(known)}")
+        model = dict(c.get("model", {}))
+        if model.get("dtype", "float32") == "auto":
+            model["dtype"] = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        return cls(
+            name=str(c.get("name", "run")),
+            model=to_dataclass(GPTConfig, model, "model"),
+            data=to_dataclass(data_lib.DataConfig, c.get("data"), "data"),
+            train=to_dataclass(TrainConfig, c.get("train"), "train"),
+            quant=to_dataclass(QuantConfig, c.get("quant"), "quant"),
+            mesh=to_dataclass(MeshConfig, c.get("mesh"), "mesh"),
+            seed=int(c.get("seed", 0)),
+            workdir=str(c.get("workdir", "runs")),
+        )
+
+    def __post_init__(self):
+        _check_hadamard_fits(self.model, self.quant)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.workdir) / self.name
+
+    def to_json(self) -> dict:
+        return to_plain(self)
+
+
+def _check_hadamard_fits(m: GPTConfig, q: QuantConfig) -> None:
+    """A recipe's Hadamard blocks must divide the contraction axes they run along: features
+    (forward, input gradient) and the sequence (weight gradient)."""
+    r = lb.recipes.get(q.recipe)
+    feats = [g.hadamard for g in (r.fwd, r.dlhs) if g.hadamard]
+    tokens = r.drhs.hadamard
+    checks = [(h, "model.d_model", m.d_model) for h in feats]
+    checks += [(h, "model.d_model * model.mlp_ratio", m.d_model * m.mlp_ratio) for h in feats]
+    if tokens:
+        checks.append((tokens, "model.seq_len", m.seq_len))
+        if m.mlp == "moe":  # experts' weight gradients contract the capacity axis
+            checks.append((tokens, "model.capacity_multiple", m.capacity_multiple))
+    for h, name, n in checks:
+        if n % h:
+            raise ConfigError(
+                f"quant.recipe={q.recipe!r} applies Hadamard transforms of {h} along GEMM "
+                f"contraction axes: {name}={n} must be a multiple of {h}"
+            )
+
+
+# Fields that may differ between a run and its resumption (they do not change the numbers).
+_RESUMABLE = {("train", "stop_at"), ("train", "progress"), ("train", "keep_checkpoints")}
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient norm: the run stopped; earlier checkpoints are kept."""
+
+
+class RunExists(RuntimeError):
+    """The run directory already holds checkpoints and ``resume`` was not asked for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    run_dir: Path
+    step: int
+    final_val_loss: float | None
+    losses: dict[int, float]  # train loss per logged step (this invocation's and earlier ones)
+    step_time_s: float | None  # median over the logged intervals of this invocation
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+
+# --------------------------------------------------------------------------------------------
+# Model, rules, mesh, shardings
+
+
+def quant_rules(q: QuantConfig) -> list[tuple[str, str]]:
+    """``lowbit.flax`` rules: high-precision modules first, everything else under the recipe."""
+    rules = []
+    if q.high_precision:
+        rules.append((q.high_precision, "none"))
+    rules.append((r".*", q.recipe))
+    return rules
+
+
+def build_model(cfg: RunConfig) -> nnx.Module:
+    """The GPT with its linear layers quantized by :func:`quant_rules` (seeded by cfg.seed)."""
+    model = GPT(cfg.model, rngs=nnx.Rngs(params=cfg.seed))
+    return lbf.quantize(model, quant_rules(cfg.quant), rngs=nnx.Rngs(quant=cfg.seed + 1))
+
+
+def make_mesh(m: MeshConfig, devices=None) -> Mesh:
+    """A ``("data", "fsdp")`` mesh over the first ``data * fsdp`` devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    if m.fsdp < 1 or m.data == 0 or m.data < -1:
+        raise ConfigError(f"config.mesh: data must be -1 or >= 1 and fsdp >= 1, got {m}")
+    data = len(devices) // m.fsdp if m.data == -1 else m.data
+    if data < 1 or data * m.fsdp > len(devices):
+        raise ConfigError(
+            f"config.mesh: data={m.data} x fsdp={m.fsdp} needs more than the "
+            f"{len(devices)} available devices"
+        )
+    grid = np.array(devices[: data * m.fsdp], dtype=object).reshape(data, m.fsdp)
+    return Mesh(grid, AXES)
+
+
+def _param_spec(shape: tuple[int, ...], fsdp: int) -> P:
+    """Shard the largest axis divisible by ``fsdp`` over "fsdp" (ties: the first such axis)."""
+    if fsdp == 1 or len(shape) == 0:
+        return P()
+    axes = [a for a in range(len(shape)) if shape[a] % fsdp == 0 and shape[a] >= fsdp]
+    if not axes:
+        return P()
+    a = max(axes, key=lambda i: (shape[i], -i))
+    return P(*(("fsdp" if i == a else None) for i in range(len(shape))))
+
+
+def _shardings(tree, mesh: Mesh):
+    fsdp = mesh.shape["fsdp"]
+    return jax.tree.map(lambda x: NamedSharding(mesh, _param_spec(tuple(x.shape), fsdp)), tree)
+
+
+def _schedule(t: TrainConfig) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=t.lr,
+        warmup_steps=t.warmup_steps,
+        decay_steps=t.steps,
+        end_value=t.lr * t.min_lr_ratio,
+    )
+
+
+def _optimizer(t: TrainConfig) -> optax.GradientTransformation:
+    # Weight decay on matrices only (not norms' scales).
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    adamw = optax.adamw(
+        _schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask
+    )
+    return optax.chain(optax.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip else adamw
+
+
+# --------------------------------------------------------------------------------------------
+# Keys in checkpoints: typed PRNG keys are saved as their raw key data.
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _unkey(tree):
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def _unkey_abstract(tree):
+    return jax.tree.map(lambda x: jax.eval_shape(jax.random.key_data, x) if _is_key(x) else x, tree)
+
+
+def _rekey(tree, like):
+    return jax.tree.map(lambda x, l: jax.random.wrap_key_data(x) if _is_key(l) else x, tree, like)
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+
+
+class _Trainer:
+    def __init__(self, cfg: RunConfig, mesh: Mesh):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.tx = _optimizer(cfg.train)
+        self.schedule = _schedule(cfg.train)
+
+        def init():
+            model = build_model(cfg)
+            _, params, rest = nnx.split(model, nnx.Param, ...)
+            return {
+                "step": jnp.zeros((), jnp.int32),
+                "params": params,
+                "rest": rest,
+                "opt": self.tx.init(params),
+            }
+
+        self.graphdef = nnx.split(nnx.eval_shape(lambda: build_model(cfg)), nnx.Param, ...)[0]
+        self.abstract = jax.eval_shape(init)
+        self.state_sharding = _shardings(self.abstract, mesh)
+        self._init = jax.jit(init, out_shardings=self.state_sharding)
+        self.batch_sharding = NamedSharding(mesh, P(AXES, None))
+        graphdef = self.graphdef
+
+        def step_fn(state, batch):
+            def objective(params):
+                model = nnx.merge(graphdef, params, state["rest"], copy=True)
+                loss, metrics = loss_fn(model, batch)
+                _, _, rest = nnx.split(model, nnx.Param, ...)
+                return loss, (metrics, rest)
+
+            (loss, (metrics, rest)), grads = jax.value_and_grad(objective, has_aux=True)(
+                state["params"]
+            )
+            updates, opt = self.tx.update(grads, state["opt"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
+            metrics = dict(metrics)
+            metrics["grad_norm"] = optax.tree.norm(grads)
+            metrics["lr"] = self.schedule(state["step"])
+            new = {"step": state["step"] + 1, "params": params, "rest": rest, "opt": opt}
+            return new, metrics
+
+        def eval_fn(state, batch):
+            model = nnx.merge(graphdef, state["params"], state["rest"], copy=True)
+            _, metrics = loss_fn(model, batch)
+            return metrics["loss"]
+
+        self.step = jax.jit(
+            step_fn,
+            in_shardings=(self.state_sharding, self.batch_sharding),
+            out_shardings=(self.state_sharding, None),
+            donate_argnums=0,
+        )
+        self.eval = jax.jit(eval_fn, in_shardings=(self.state_sharding, self.batch_sharding))
+
+    def init_state(self):
+        return self._init()
+
+    def put_batch(self, batch: dict[str, np.ndarray]):
+        return {
+            k: jax.make_array_from_process_local_data(self.batch_sharding, v)
+            for k, v in batch.items()
+        }
+
+
+def _ckpt_manager(cfg: RunConfig):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.train.keep_checkpoints, enable_async_checkpointing=False, create=True
+    )
+    return ocp.CheckpointManager(
+        (cfg.run_dir / "checkpoints").absolute(), options=options, item_names=("state", "data")
+    )
+
+
+def _save(mngr, step: int, state, batches: data_lib.Batches, fingerprint: str) -> None:
+    import orbax.checkpoint as ocp
+
+    data_state = dict(batches.state(), fingerprint=fingerprint)
+    mngr.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(_unkey(state)), data=ocp.args.JsonSave(data_state)
+        ),
+        force=True,
+    )
+    mngr.wait_until_finished()
+
+
+def _restore(mngr, trainer: _Trainer, step: int):
+    import orbax.checkpoint as ocp
+
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        _unkey_abstract(trainer.abstract),
+        trainer.state_sharding,
+    )
+    try:
+        got = mngr.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
+            ),
+        )
+    except Exception as e:  # orbax / tensorstore errors vary: name the checkpoint
+        raise ConfigError(
+            f"cannot restore checkpoint step {step} in {mngr.directory}: {type(e).__name__}: {e}"
+        ) from e
+    return _rekey(got["state"], trainer.abstract), dict(got["data"])
+
+
+def _config_diff(saved: dict, now: dict, prefix=()) -> list[str]:
+    out = []
+    for k in sorted(set(saved) | set(now)):
+        key = (*prefix, k)
+        a, b = saved.get(k), now.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _config_diff(a, b, key)
+        elif a != b and key not in _RESUMABLE and key != ("name",) and key != ("workdir",):
+            out.append(f"{'.'.join(key)}: {a!r} -> {b!r}")
+    return out
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a ``metrics.jsonl`` (a torn last line from a crash is skipped)."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def _truncate_metrics(path: Path, after_step: int) -> None:
+    if not path.exists():
+        return
+    keep = [r for r in read_metrics(path) if r.get("step", 0) <= after_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    os.replace(tmp, path)
+
+
+def _finite(metrics: dict) -> bool:
+    return all(math.isfinite(float(metrics[k])) for k in ("loss", "grad_norm"))
+
+
+def train(
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    devices=None,
+    log: Callable[[str], None] = print,
+) -> RunResult:
+    """Train ``cfg`` (see the module docstring); ``resume`` continues from the last checkpoint.
+
+    Raises :class:`TrainingDiverged` on a non-finite loss (naming the step and the last good
+    checkpoint), :class:`RunExists` when the run directory holds checkpoints and ``resume`` is
+    False, :class:`experiments.data.DataError` for bad data, ConfigError for a bad config.
+    """
+    t = cfg.train
+    run_dir = cfg.run_dir
+    ckpt_dir = run_dir / "checkpoints"
+    has_ckpt = ckpt_dir.exists() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+    if has_ckpt and not resume:
+        raise RunExists(
+            f"{run_dir} already holds checkpoints: pass --resume to continue it, or choose "
+            "another config.name (nothing was changed)"
+        )
+    if resume and (run_dir / "config.json").exists():
+        saved = json.loads((run_dir / "config.json").read_text())
+        diff = _config_diff(saved, cfg.to_json())
+        if diff:
+            raise ConfigError(f"--resume with a config that differs from {run_dir}: {diff}")
+
+    dataset = data_lib.load(cfg.data, log=log)
+    mesh = make_mesh(cfg.mesh, devices)
+    n_dev = mesh.size
+    if t.batch_size % n_dev:
+        raise ConfigError(
+            f"config.train.batch_size={t.batch_size} must be a multiple of the {n_dev} devices "
+            "of the mesh"
+        )
+    trainer = _Trainer(cfg, mesh)
+    mngr = _ckpt_manager(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
+    metrics_path = run_dir / "metrics.jsonl"
+
+    start = 0
+    if resume and mngr.latest_step() is not None:
+        start = int(mngr.latest_step())
+        state, data_state = _restore(mngr, trainer, start)
+        if data_state.get("fingerprint") != dataset.fingerprint:
+            raise ConfigError(
+                f"--resume: the data changed since the checkpoint (fingerprint "
+                f"{data_state.get('fingerprint')} -> {dataset.fingerprint})"
+            )
+        data_state.pop("fingerprint")
+        batches = data_lib.Batches.restore(
+            dataset.train,
+            data_state,
+            batch_size=t.batch_size,
+            seq_len=cfg.model.seq_len,
+            seed=cfg.seed,
+        )
+        _truncate_metrics(metrics_path, start)
+        log(f"resumed {run_dir} at step {start}")
+    else:
+        if metrics_path.exists():
+            metrics_path.unlink()
+        state = trainer.init_state()
+        batches = data_lib.Batches(
+            dataset.train, batch_size=t.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed
+        )
+    evals = data_lib.eval_batches(
+        dataset.val,
+        batch_size=t.batch_size,
+        seq_len=cfg.model.seq_len,
+        max_batches=t.eval_batches,
+    )
+    evals = [trainer.put_batch(b) for b in evals]
+    stop = t.stop_at or t.steps
+    tokens_per_step = t.batch_size * cfg.model.seq_len
+
+    losses: dict[int, float] = {}
+    intervals: list[float] = []
+    last_good = start if has_ckpt or start else None
+    final_val = None
+
+    def evaluate(state) -> float:
+        return float(np.mean([float(trainer.eval(state, b)) for b in evals]))
+
+    with open(metrics_path, "a") as mf, _progress(t, start, stop, cfg.name) as bar:
+
+        def write(rec: dict) -> None:
+            mf.write(json.dumps(rec) + "\n")
+            mf.flush()
+
+        pending = None  # (step, device metrics) of the step before
+        t_last, step_last = None, start
+
+        def drain(p) -> dict:
+            nonlocal t_last, step_last
+            s, m = p
+            m = {k: float(v) for k, v in jax.device_get(m).items()}
+            if not _finite(m):
+                where = f"step {last_good} in {ckpt_dir}" if last_good else "none was written"
+                raise TrainingDiverged(
+                    f"{cfg.name}: non-finite loss {m['loss']} / grad norm {m['grad_norm']} at "
+                    f"step {s}; stopped. Last good checkpoint: {where}"
+                )
+            losses[s] = m["loss"]
+            now = time.perf_counter()
+            if s % t.log_every == 0 or s == stop:
+                rec = {"kind": "train", "step": s, "tokens": s * tokens_per_step, **m}
+                if t_last is not None and s > step_last:
+                    dt = (now - t_last) / (s - step_last)
+                    intervals.append(dt)
+                    rec["step_s"] = dt
+                    rec["tokens_per_s"] = tokens_per_step / dt
+                    bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tokens_per_step / dt:.0f}")
+                write(rec)
+                t_last, step_last = now, s
+            bar.update(1)
+            return m
+
+        for s in range(start + 1, stop + 1):
+            batch = trainer.put_batch(next(batches))
+            state, metrics = trainer.step(state, batch)
+            if pending is not None:
+                drain(pending)
+            pending = (s, metrics)
+            if s == start + 1:  # the first step includes compilation: time from the next one
+                jax.block_until_ready(metrics)
+                t_last, step_last = time.perf_counter(), s
+            if (t.eval_every and s % t.eval_every == 0) or s == stop:
+                drain(pending)
+                pending = None
+                final_val = evaluate(state)
+                write(
+                    {
+                        "kind": "eval",
+                        "step": s,
+                        "tokens": s * tokens_per_step,
+                        "val_loss": final_val,
+                    }
+                )
+                t_last, step_last = time.perf_counter(), s
+            if (t.checkpoint_every and s % t.checkpoint_every == 0) or s == stop:
+                if pending is not None:
+                    drain(pending)
+                    pending = None
+                _save(mngr, s, state, batches, dataset.fingerprint)
+                last_good = s
+                t_last, step_last = time.perf_counter(), s
+        if pending is not None:
+            drain(pending)
+    mngr.close()
+
+    step_time = statistics.median(intervals) if intervals else None
+    summary = {
+        "name": cfg.name,
+        "recipe": cfg.quant.recipe,
+        "seed": cfg.seed,
+        "step": stop,
+        "steps": t.steps,
+        "tokens": stop * tokens_per_step,
+        "final_val_loss": final_val,
+        "final_train_loss": losses.get(stop),
+        "step_s": step_time,
+        "tokens_per_s": tokens_per_step / step_time if step_time else None,
+        "params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract["params"])),
+        "devices": n_dev,
+        "backend": jax.default_backend(),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return RunResult(run_dir, stop, final_val, losses, step_time)
+
+
+class _NoBar:
+    def set_postfix(self, **_):
+        pass
+
+    def update(self, _):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _progress(t: TrainConfig, start: int, stop: int, name: str):
+    if not t.progress:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=stop, initial=start, desc=name, unit="step", file=sys.stderr, dynamic_ncols=True
+    )
+
+
+def remove_run(run_dir: str | os.PathLike) -> None:
+    """Delete a run directory (used by ``compare --rerun``)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+logging.getLogger("absl").setLevel(logging.WARNING)

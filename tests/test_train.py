@@ -1,0 +1,302 @@
+"""The GPT training loop: configs, loss goes down per recipe, exact resume, 1 vs 4 devices,
+errors, divergence, the compare script and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import lowbit as lb
+from experiments import compare, training
+from experiments import data as data_lib
+from experiments.configlib import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.py"))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A real English text (lowbit's own docstrings and comments, ~200 KB), no network."""
+    text = "\n\n".join(p.read_text() for p in sorted((ROOT / "lowbit").rglob("*.py")))
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(text)
+    return path
+
+
+def tiny(tmp_path: Path, corpus: Path, recipe: str = "none", **train):
+    c = load_config(f"{ROOT / 'configs/gpt.py'}:size=tiny,recipe={recipe}")
+    c.workdir = str(tmp_path / "runs")
+    c.data.path = str(corpus)
+    c.data.cache_dir = str(tmp_path / "cache")
+    c.model.d_model, c.model.layers, c.model.heads, c.model.seq_len = 64, 1, 2, 64
+    c.train.update(
+        steps=20,
+        batch_size=4,
+        lr=1e-2,
+        warmup_steps=2,
+        log_every=1,
+        eval_every=10,
+        eval_batches=2,
+        checkpoint_every=10,
+        progress=False,
+    )
+    c.train.update(train)
+    c.mesh.data, c.mesh.fsdp = 1, 1
+    return c
+
+
+def quiet(*_):
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+# Configs
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_file_loads(path):
+    doc = path.read_text()
+    assert "python -m experiments." in doc, f"{path.name}: its docstring must give a launch line"
+    args = [None]
+    if path.name == "gpt.py":
+        args += [f"size={s}" for s in ("tiny", "xs", "s", "m", "l")] + ["size=xs,mlp=moe,seed=2"]
+    for arg in args:
+        c = load_config(f"{path}:{arg}" if arg else str(path))
+        cfg = training.RunConfig.from_config(c)
+        assert cfg.model.dtype == "float32"  # auto -> float32 on CPU
+        assert cfg.run_dir.parts[0] == "runs"
+
+
+def test_config_sizes_span_half_a_million_to_twenty_million_parameters():
+    from experiments.model import n_params
+
+    counts = {}
+    for size in ("xs", "l"):
+        cfg = training.RunConfig.from_config(load_config(f"{ROOT}/configs/gpt.py:size={size}"))
+        counts[size] = n_params(cfg.model)
+    assert 0.4e6 <= counts["xs"] <= 0.8e6, counts
+    assert 15e6 <= counts["l"] <= 25e6, counts
+
+
+def test_bad_config_arguments_and_keys_are_named():
+    with pytest.raises(ValueError, match="size='huge'"):
+        load_config(f"{ROOT}/configs/gpt.py:size=huge")
+    with pytest.raises(ConfigError, match="'colour'"):
+        load_config(f"{ROOT}/configs/gpt.py:colour=red")
+    c = load_config(f"{ROOT}/configs/gpt.py")
+    c.train.lerning_rate = 1.0
+    with pytest.raises(ConfigError, match=r"config\.train: unknown key\(s\) \['lerning_rate'\]"):
+        training.RunConfig.from_config(c)
+
+
+def test_unknown_recipe_is_a_clear_error(tmp_path, corpus):
+    with pytest.raises(ConfigError, match=r"quant\.recipe.*'mxfp3'.*mxfp4"):
+        training.RunConfig.from_config(tiny(tmp_path, corpus, recipe="mxfp3"))
+
+
+def test_a_hadamard_block_that_does_not_divide_the_model_is_named(tmp_path, corpus):
+    c = tiny(tmp_path, corpus, recipe="mxfp4_bwd")
+    c.model.seq_len = 32
+    with pytest.raises(ConfigError, match=r"Hadamard transforms of 64.*model\.seq_len=32"):
+        training.RunConfig.from_config(c)
+    c.model.seq_len, c.model.d_model = 64, 96
+    with pytest.raises(ConfigError, match=r"model\.d_model=96 must be a multiple of 64"):
+        training.RunConfig.from_config(c)
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+
+
+@pytest.mark.parametrize("recipe", lb.recipes.names())
+def test_a_tiny_run_of_each_recipe_lowers_the_loss(tmp_path, corpus, recipe):
+    cfg = training.RunConfig.from_config(tiny(tmp_path, corpus, recipe))
+    r = training.train(cfg, log=quiet)
+    losses = [r.losses[s] for s in sorted(r.losses)]
+    assert len(losses) == cfg.train.steps
+    assert all(np.isfinite(losses))
+    # From ~ln(256) = 5.5 nats at init; 20 steps of byte-level text reach well under 4.
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 1.0, losses
+    assert r.final_val_loss < losses[0] - 1.0
+    recs = training.read_metrics(r.metrics_path)
+    assert [x["step"] for x in recs if x["kind"] == "eval"] == [10, 20]
+    summary = json.loads((r.run_dir / "summary.json").read_text())
+    assert summary["recipe"] == recipe and summary["final_val_loss"] == r.final_val_loss
+    assert json.loads((r.run_dir / "config.json").read_text())["quant"]["recipe"] == recipe
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_a_stopped_and_resumed_run_reproduces_the_uninterrupted_one(tmp_path, corpus, recipe):
+    # nvfp4 draws stochastic-rounding keys and random Hadamard signs from the quantizer's rng
+    # stream: its state must be checkpointed too for the losses to match bit for bit.
+    full = training.train(
+        training.RunConfig.from_config(
+            tiny(tmp_path / "a", corpus, recipe, steps=12, checkpoint_every=4, eval_every=6)
+        ),
+        log=quiet,
+    )
+    cfg = tiny(tmp_path / "b", corpus, recipe, steps=12, checkpoint_every=4, eval_every=6)
+    cfg.train.stop_at = 6
+    first = training.train(training.RunConfig.from_config(cfg), log=quiet)
+    assert first.step == 6 and sorted(first.losses) == list(range(1, 7))
+    with pytest.raises(training.RunExists, match="--resume"):
+        training.train(training.RunConfig.from_config(cfg), log=quiet)
+    cfg.train.stop_at = 0
+    rest = training.train(training.RunConfig.from_config(cfg), resume=True, log=quiet)
+    assert sorted(rest.losses) == list(range(7, 13))  # resumed from the checkpoint at step 6
+    for s in range(1, 13):
+        got = first.losses[s] if s <= 6 else rest.losses[s]
+        assert got == full.losses[s], (s, got, full.losses[s])
+    assert rest.final_val_loss == full.final_val_loss
+    # The metrics file reads as one uninterrupted run.
+    a = [(x["kind"], x["step"]) for x in training.read_metrics(full.metrics_path)]
+    b = [(x["kind"], x["step"]) for x in training.read_metrics(rest.metrics_path)]
+    assert a == b
+
+
+def test_resume_with_a_changed_config_is_refused(tmp_path, corpus):
+    cfg = tiny(tmp_path, corpus, steps=4, checkpoint_every=2, eval_every=2)
+    training.train(training.RunConfig.from_config(cfg), log=quiet)
+    cfg.train.lr = 5e-3
+    with pytest.raises(ConfigError, match=r"train\.lr: 0\.01 -> 0\.005"):
+        training.train(training.RunConfig.from_config(cfg), resume=True, log=quiet)
+
+
+@pytest.mark.parametrize("recipe", ["none", "mxfp8"])
+def test_one_and_four_devices_give_the_same_losses(tmp_path, corpus, recipe):
+    assert len(jax.devices()) >= 4, "conftest fakes 4 CPU devices"
+    runs = {}
+    for data, fsdp in ((1, 1), (2, 2)):
+        c = tiny(tmp_path / f"{data}x{fsdp}", corpus, recipe, steps=8, eval_every=8)
+        c.mesh.data, c.mesh.fsdp = data, fsdp
+        runs[data * fsdp] = training.train(training.RunConfig.from_config(c), log=quiet)
+    one, four = runs[1], runs[4]
+    a = np.array([one.losses[s] for s in range(1, 9)])
+    b = np.array([four.losses[s] for s in range(1, 9)])
+    # Same numbers up to float32 reduction order (sharded sums): far below the step-to-step
+    # change of the loss (~0.1).
+    np.testing.assert_allclose(b, a, rtol=2e-4)
+    np.testing.assert_allclose(four.final_val_loss, one.final_val_loss, rtol=2e-4)
+
+
+def test_fsdp_shards_parameters_and_optimizer_state(tmp_path, corpus):
+    c = training.RunConfig.from_config(tiny(tmp_path, corpus))
+    mesh = training.make_mesh(training.MeshConfig(data=2, fsdp=2))
+    tr = training._Trainer(c, mesh)
+    state = tr.init_state()
+    leaves = jax.tree.leaves(state["params"])
+    sharded = [x for x in leaves if "fsdp" in str(x.sharding.spec)]
+    assert sharded, "no parameter is sharded over fsdp"
+    for x in sharded:
+        assert x.addressable_shards[0].data.size * 2 == x.size
+    mu = [x for x in jax.tree.leaves(state["opt"]) if "fsdp" in str(x.sharding.spec)]
+    assert len(mu) >= 2 * len(sharded)  # AdamW's two moments follow the parameters
+
+
+def test_mesh_errors(tmp_path, corpus):
+    with pytest.raises(ConfigError, match="config.mesh"):
+        training.make_mesh(training.MeshConfig(data=8, fsdp=2))
+    c = tiny(tmp_path, corpus, batch_size=6)
+    c.mesh.data, c.mesh.fsdp = 4, 1
+    with pytest.raises(ConfigError, match="batch_size=6 must be a multiple of the 4 devices"):
+        training.train(training.RunConfig.from_config(c), log=quiet)
+
+
+def test_a_diverging_run_stops_with_its_step_and_keeps_the_last_good_checkpoint(tmp_path, corpus):
+    # lr 0 at step 1 (warmup starts at 0), then 1e30 without clipping: parameters blow up.
+    c = tiny(tmp_path, corpus, lr=1e30, grad_clip=0.0, warmup_steps=4, checkpoint_every=1)
+    cfg = training.RunConfig.from_config(c)
+    with pytest.raises(
+        training.TrainingDiverged,
+        match=r"at step (\d+).*Last good checkpoint: "
+        r"step (\d+)",
+    ) as e:
+        training.train(cfg, log=quiet)
+    import re
+
+    bad, good = map(int, re.search(r"at step (\d+).*step (\d+)", str(e.value)).groups())
+    assert good < bad
+    saved = sorted(int(p.name) for p in (cfg.run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and max(saved) == good
+    # The kept checkpoint restores to finite parameters.
+    mngr = training._ckpt_manager(cfg)
+    tr = training._Trainer(cfg, training.make_mesh(cfg.mesh))
+    state, _ = training._restore(mngr, tr, good)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
+
+
+def test_missing_and_corrupt_data_paths_are_clear_errors(tmp_path, corpus):
+    c = tiny(tmp_path, corpus)
+    c.data.path = str(tmp_path / "no_such_corpus")
+    with pytest.raises(data_lib.DataError, match="data.path"):
+        training.train(training.RunConfig.from_config(c), log=quiet)
+    binary = tmp_path / "weights.txt"
+    binary.write_bytes(bytes(range(256)) * 64)
+    c.data.path = str(binary)
+    with pytest.raises(data_lib.DataError, match="UTF-8"):
+        training.train(training.RunConfig.from_config(c), log=quiet)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("checkpoints"))
+
+
+# --------------------------------------------------------------------------------------------
+# compare.py and the CLI
+
+
+def test_compare_writes_curves_and_summary_and_reuses_finished_runs(tmp_path, corpus, monkeypatch):
+    base = tiny(tmp_path, corpus, steps=10, eval_every=5, log_every=2)
+    png, md = compare.compare(base, ["none", "mxfp4"], seeds=[0, 1], log=quiet, command="cmd")
+    assert png.exists() and png.stat().st_size > 10_000
+    text = md.read_text()
+    assert "| none | 2 |" in text and "| mxfp4 | 2 |" in text and "+0.00%" in text
+    rows = json.loads((md.parent / "summary.json").read_text())
+    by = {r["recipe"]: r for r in rows}
+    assert by["none"]["gap_pct"] == 0 and by["none"]["step_ratio"] == 1
+    assert by["mxfp4"]["val_loss_std"] > 0  # two seeds, two different runs
+
+    def no_training(*a, **k):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(training, "train", no_training)
+    compare.compare(base, ["none", "mxfp4"], seeds=[0, 1], log=quiet)
+
+
+def _cli(*args, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.train", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+    )
+
+
+def test_cli_trains_and_reports_bad_input_in_one_line(tmp_path, corpus):
+    common = [
+        f"--config={ROOT}/configs/gpt.py:size=tiny,recipe=mxfp4",
+        f"--config.data.path={corpus}",
+        f"--config.data.cache_dir={tmp_path}/cache",
+        f"--config.workdir={tmp_path}/runs",
+        "--config.train.steps=3",
+        "--config.train.eval_every=3",
+        "--config.train.progress=false",
+        "--config.model.d_model=32",
+        "--config.model.layers=1",
+        "--config.model.heads=2",
+        "--config.model.seq_len=32",
+        "--config.train.batch_size=4",
+    ]
+    ok = _cli(*common, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "final validation loss" in ok.stdout
+    assert (tmp_path / "runs/gpt-tiny/mxfp4-s0/metrics.jsonl").exists()
+    bad = _cli(*common, "--config.quant.recipe=mxfp5", "--config.name=x", cwd=tmp_path)
+    assert bad.returncode == 1
+    assert "quant.recipe" in bad.stderr and "Traceback" not in bad.stderr
