@@ -429,7 +429,16 @@ def _amax_bits(xb: jax.Array, plan: _Plan, finite_only: bool = False) -> jax.Arr
     bits = lax.bitcast_convert_type(xb, jnp.int32) & 0x7FFFFFFF
     if finite_only:
         bits = jnp.where(bits < _INF_BITS, bits, 0)
-    return jnp.max(bits, axis=plan.block_axes, keepdims=True)
+    axes = plan.block_axes
+    if axes == (xb.ndim - 1,):
+        # Blocks along the minor axis: XLA:CPU emits a slow loop for a reduction over a short
+        # minor axis (its fast float path drops NaN). Elementwise maxima of halves first
+        # (vectorised across blocks), 32 -> 16 -> 8 -> 4, then a reduction over 4: measured
+        # 0.14x of a memory-bound pass instead of 0.39x (4096 x 4096 float32, 2 cores).
+        while bits.shape[-1] > 4 and bits.shape[-1] % 2 == 0:
+            h = bits.shape[-1] // 2
+            bits = jnp.maximum(bits[..., :h], bits[..., h:])
+    return jnp.max(bits, axis=axes, keepdims=True)
 
 
 def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Quantized:

@@ -740,6 +740,28 @@ def test_nan_block_in_a_larger_tensor(fmt):
     check_qarray(q, y, expected, x, f"{fmt} NaN block, (256, 32)")
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_e4m3", "nvfp4"])
+def test_block_max_and_nan_at_every_position_of_a_block(fmt):
+    """Row p has its largest magnitude (negative on odd rows) at position p, and row block + p
+    a NaN there: the block maximum is found wherever it lies (the reduction runs as maxima of
+    halves, then over the last few lanes), and every NaN row gets the NaN scale byte."""
+    block = lb.formats.get(fmt).block_size
+    rng = np.random.default_rng(21)
+    x = rng.uniform(-1.0, 1.0, (2 * block, block)).astype(np.float32)
+    for p in range(block):
+        x[p, p] = 3.0 * (-1) ** p
+        x[block + p, p] = np.nan
+    q, y, fake = run_quantizer(x, fmt)
+    nan_byte = E8M0_NAN if fmt != "nvfp4" else UE4M3_NAN
+    scales = np.asarray(q.scales)[:, 0]
+    assert np.all(scales[block:] == nan_byte) and np.all(scales[:block] != nan_byte)
+    assert np.all(np.isnan(np.asarray(y)[block:])) and not np.any(np.isnan(np.asarray(y)[:block]))
+    finite = x[:block]
+    expected = ref.nvfp4_quantize(finite) if fmt == "nvfp4" else ref.mx_quantize(finite, fmt)
+    q, y, fake = run_quantizer(finite, fmt)
+    check_qarray(q, y, expected, finite, f"{fmt} block max at every position")
+
+
 @pytest.mark.parametrize("fmt", [*MX_FORMATS, "nvfp4"])
 def test_all_zero_tensor(fmt):
     x = np.zeros((BASE_ROWS, 32 if fmt != "nvfp4" else 16), np.float32)
