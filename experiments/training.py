@@ -366,8 +366,14 @@ class _Trainer:
         return self._init()
 
     def put_batch(self, batch: dict[str, np.ndarray]):
+        """The global batch (every process draws the same one) as a sharded array: each
+        process contributes the rows its devices hold (all of them on one host)."""
+        n, i = jax.process_count(), jax.process_index()
+        rows = next(iter(batch.values())).shape[0] // n
         return {
-            k: jax.make_array_from_process_local_data(self.batch_sharding, v)
+            k: jax.make_array_from_process_local_data(
+                self.batch_sharding, v[i * rows : (i + 1) * rows], v.shape
+            )
             for k, v in batch.items()
         }
 

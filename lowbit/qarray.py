@@ -468,8 +468,7 @@ def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Qua
         if plan.gain != 1.0:
             v = v * np.float32(plan.gain)
         clipped = jnp.abs(v) > elem.max if want_clip else None
-        v = jnp.clip(v, -elem.max, elem.max)
-        q = round_to_grid(v, elem, rbits=rbits)
+        q = round_to_grid(v, elem, rbits=rbits, saturate=True)
 
         def mul(elems, hi=mul_hi, lo=mul_lo):
             return _ungain((elems * hi) * lo, plan.gain)
@@ -502,8 +501,8 @@ def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Qua
     if plan.gain != 1.0:
         v = v * np.float32(plan.gain)
     clipped = jnp.abs(v) > elem.max if want_clip else None
-    v = jnp.where(r > 0, jnp.clip(v, -elem.max, elem.max), 0.0)
-    q = round_to_grid(v, elem, rbits=rbits)
+    v = jnp.where(r > 0, v, 0.0)
+    q = round_to_grid(v, elem, rbits=rbits, saturate=True)
     code = jnp.where(finite, encode_elements(s, E4M3), jnp.uint8(UE4M3_NAN))
     s_or_nan = jnp.where(finite, s, np.float32(np.nan))
 
