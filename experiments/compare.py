@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import training
+from experiments.configlib import ConfigError
 
 __all__ = [
     "RecipeResult",
@@ -86,7 +87,10 @@ def run_all(
         if _finished(cfg):
             log(f"{cfg.name}: finished earlier with this config, reused")
         else:  # a run left unfinished (same config) continues from its last checkpoint
-            r = training.train(cfg, resume=cfg.run_dir.exists(), log=log)
+            try:
+                r = training.train(cfg, resume=cfg.run_dir.exists(), log=log)
+            except ConfigError as e:
+                raise ConfigError(f"{e}; pass --rerun to train {cfg.name} again") from e
             log(f"{cfg.name}: final validation loss {r.final_val_loss:.4f}")
         dirs.append(cfg.run_dir)
     return dirs
@@ -274,8 +278,6 @@ def compare(
 
 
 def main(argv: list[str]) -> None:
-    from experiments.configlib import ConfigError
-
     if len(argv) > 1:
         from absl import app
 

@@ -265,6 +265,11 @@ def test_compare_writes_curves_and_summary_and_reuses_finished_runs(tmp_path, co
 
     monkeypatch.setattr(training, "train", no_training)
     compare.compare(base, ["none", "mxfp4"], seeds=[0, 1], log=quiet)
+    monkeypatch.undo()
+    # A finished run with another config is never overwritten silently.
+    base.train.lr = 5e-3
+    with pytest.raises(ConfigError, match=r"train\.lr.*pass --rerun"):
+        compare.run_all(base, ["none"], [0], log=quiet)
 
 
 def _cli(*args, cwd):
