@@ -141,9 +141,17 @@ def summarize(results: dict[str, RecipeResult]) -> list[dict]:
     """One row per recipe: final validation loss, gap to ``none`` (%), step-time ratio."""
     base = results.get(BASELINE)
     base_t = statistics.median(base.step_s) if base and base.step_s else None
+    base_by_seed = dict(zip(base.seeds, base.final_val, strict=True)) if base else {}
     rows = []
     for r in results.values():
         t = statistics.median(r.step_s) if r.step_s else None
+        # Paired by seed (same initial parameters and batches): the gap without the spread
+        # that seeds add to both sides.
+        paired = [
+            100 * (v / base_by_seed[s] - 1)
+            for s, v in zip(r.seeds, r.final_val, strict=True)
+            if s in base_by_seed
+        ]
         rows.append(
             {
                 "recipe": r.recipe,
@@ -152,6 +160,8 @@ def summarize(results: dict[str, RecipeResult]) -> list[dict]:
                 "val_loss": r.val_mean,
                 "val_loss_std": r.val_std,
                 "gap_pct": 100 * (r.val_mean / base.val_mean - 1) if base else None,
+                "paired_gap_pct": statistics.fmean(paired) if paired else None,
+                "paired_gap_std": statistics.stdev(paired) if len(paired) > 1 else None,
                 "step_s": t,
                 "step_ratio": t / base_t if t and base_t else None,
             }
@@ -169,22 +179,30 @@ def render_markdown(rows: list[dict], *, title: str, command: str) -> str:
         "",
         f"Command: `{command}`",
         "",
-        "| recipe | seeds | final val loss | gap to none | step time / none |",
-        "|---|---|---|---|---|",
+        "| recipe | seeds | final val loss | gap to none | paired gap | step time / none |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         loss = f"{r['val_loss']:.4f}"
         if r["seeds"] > 1:
             loss += f" ± {r['val_loss_std']:.4f}"
         gap = _fmt(r["gap_pct"], "+.2f") + ("%" if r["gap_pct"] is not None else "")
+        paired = _fmt(r["paired_gap_pct"], "+.2f") + (
+            "%" if r["paired_gap_pct"] is not None else ""
+        )
+        if r["paired_gap_std"] is not None:
+            paired += f" ± {r['paired_gap_std']:.2f}"
         lines.append(
-            f"| {r['recipe']} | {r['seeds']} | {loss} | {gap} | {_fmt(r['step_ratio'], '.2f')}x |"
+            f"| {r['recipe']} | {r['seeds']} | {loss} | {gap} | {paired} | "
+            f"{_fmt(r['step_ratio'], '.2f')}x |"
         )
     lines += [
         "",
         "Final val loss: mean (± standard deviation over seeds) of the validation loss (nats per "
-        "byte) at the last step. Gap: relative to `none` (the float baseline). Step time: median "
-        "step time over `none`'s, runs timed one after another on the same machine.",
+        "byte) at the last step. Gap: of the means, relative to `none` (the float baseline). "
+        "Paired gap: the gap seed by seed (the same seed gives every recipe the same initial "
+        "parameters and batches), mean ± standard deviation. Step time: median step time over "
+        "`none`'s, runs timed one after another on the same machine.",
         "",
     ]
     return "\n".join(lines)
