@@ -26,7 +26,7 @@ from experiments.configlib import parse_arg
 
 # d_model, layers, heads, seq_len, batch, steps, peak lr
 SIZES = {
-    "tiny": (64, 2, 4, 64, 16, 150, 3e-3),
+    "tiny": (64, 2, 4, 64, 16, 400, 3e-3),
     "xs": (128, 3, 4, 128, 16, 600, 2e-3),
     "s": (256, 4, 4, 128, 16, 600, 1e-3),
     "m": (384, 6, 6, 256, 32, 2000, 6e-4),
