@@ -4,9 +4,10 @@
 :meth:`RunConfig.from_config`) and writes, under ``<workdir>/<name>/``::
 
     config.json      the resolved config (what ran; compared on --resume)
-    metrics.jsonl    {"kind": "train", step, tokens, loss, aux_loss, grad_norm, lr, step_s,
-                      tokens_per_s} every log_every steps; {"kind": "eval", step, tokens,
-                      val_loss} every eval_every steps and at the end
+    metrics.jsonl    {"kind": "train", step, tokens, loss, aux_loss, grad_norm,
+                      nonfinite_params, lr, step_s, tokens_per_s} every log_every steps;
+                      {"kind": "eval", step, tokens, val_loss} every eval_every steps and at
+                      the end
     summary.json     final validation loss, median step time, tokens/s
     checkpoints/     orbax: the train state (parameters, optimizer, quantizer rng state,
                      step) and the data position, every checkpoint_every steps and at the end
@@ -16,15 +17,14 @@ The model is :class:`experiments.model.GPT`; every linear layer not matched by
 The step is one ``jax.jit`` with ``NamedSharding``s on a ``Mesh(("data", "fsdp"))``: the batch
 splits over both axes, parameters and optimizer moments split their largest divisible axis over
 ``fsdp`` (one device is the degenerate case). Metrics are fetched one step late so the device
-never waits on the host; a non-finite loss or gradient norm stops the run with its step number,
-and only checkpoints whose step was verified finite are written.
+never waits on the host; a non-finite loss or gradient norm, or a non-finite parameter, stops
+the run with its step number, and only checkpoints whose step was verified finite are written.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import os
 import shutil
@@ -194,7 +194,8 @@ _RESUMABLE = {("train", "stop_at"), ("train", "progress"), ("train", "keep_check
 
 
 class TrainingDiverged(RuntimeError):
-    """A non-finite loss or gradient norm: the run stopped; earlier checkpoints are kept."""
+    """A non-finite loss, gradient norm or parameter: the run stopped; earlier checkpoints
+    are kept."""
 
 
 class RunExists(RuntimeError):
@@ -345,6 +346,12 @@ class _Trainer:
             params = optax.apply_updates(state["params"], updates)
             metrics = dict(metrics)
             metrics["grad_norm"] = optax.tree.norm(grads)
+            # A finite loss and gradient can still give non-finite parameters (a huge lr):
+            # checked before a checkpoint is written. (A count, not a norm: a norm of large
+            # finite parameters can overflow.)
+            metrics["nonfinite_params"] = sum(
+                jnp.sum(~jnp.isfinite(p)).astype(jnp.float32) for p in jax.tree.leaves(params)
+            )
             metrics["lr"] = self.schedule(state["step"])
             new = {"step": state["step"] + 1, "params": params, "rest": rest, "opt": opt}
             return new, metrics
@@ -459,7 +466,8 @@ def _truncate_metrics(path: Path, after_step: int) -> None:
 
 
 def _finite(metrics: dict) -> bool:
-    return all(math.isfinite(float(metrics[k])) for k in ("loss", "grad_norm"))
+    finite = all(math.isfinite(float(metrics[k])) for k in ("loss", "grad_norm"))
+    return finite and metrics["nonfinite_params"] == 0
 
 
 def train(
@@ -542,7 +550,7 @@ def train(
 
     losses: dict[int, float] = {}
     intervals: list[float] = []
-    last_good = start if has_ckpt or start else None
+    last_good = start or None  # the step of the newest checkpoint known to be finite
     final_val = None
 
     def evaluate(state) -> float:
@@ -564,8 +572,9 @@ def train(
             if not _finite(m):
                 where = f"step {last_good} in {ckpt_dir}" if last_good else "none was written"
                 raise TrainingDiverged(
-                    f"{cfg.name}: non-finite loss {m['loss']} / grad norm {m['grad_norm']} at "
-                    f"step {s}; stopped. Last good checkpoint: {where}"
+                    f"{cfg.name}: loss {m['loss']}, grad norm {m['grad_norm']}, "
+                    f"{m['nonfinite_params']:.0f} non-finite parameters at step {s}; stopped. "
+                    f"Last good checkpoint: {where}"
                 )
             losses[s] = m["loss"]
             now = time.perf_counter()
@@ -662,6 +671,3 @@ def _progress(t: TrainConfig, start: int, stop: int, name: str):
 def remove_run(run_dir: str | os.PathLike) -> None:
     """Delete a run directory (used by ``compare --rerun``)."""
     shutil.rmtree(run_dir, ignore_errors=True)
-
-
-logging.getLogger("absl").setLevel(logging.WARNING)

@@ -232,6 +232,14 @@ def test_a_diverging_run_stops_with_its_step_and_keeps_the_last_good_checkpoint(
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
 
 
+def test_a_non_finite_parameter_counts_as_divergence_even_with_a_finite_loss():
+    ok = {"loss": 2.0, "grad_norm": 1.0, "nonfinite_params": 0.0}
+    assert training._finite(ok)
+    assert not training._finite({**ok, "nonfinite_params": 3.0})
+    assert not training._finite({**ok, "loss": float("nan")})
+    assert not training._finite({**ok, "grad_norm": float("inf")})
+
+
 def test_missing_and_corrupt_data_paths_are_clear_errors(tmp_path, corpus):
     c = tiny(tmp_path, corpus)
     c.data.path = str(tmp_path / "no_such_corpus")
