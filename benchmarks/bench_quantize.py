@@ -13,6 +13,11 @@ when qwix is installed (an optional, benchmark-only dependency), it times qwix's
 mxfp8 = E4M3 elements, nvfp4) with the same blocks (32 for MX, 16 for NVFP4), and reports
 lowbit / qwix. All candidates run in one process, interleaved round-robin (``common.py``).
 
+lowbit's time is that of the path a user gets: on a single-device CPU process with a C++
+compiler that is the compiled one-pass kernel of ``lowbit.native`` (column ``path``); the
+column ``xla path`` times the XLA emulation alone (``lb.native.mode("off")``), side by side,
+so the table shows both (``--no-xla-path`` skips it). The two give identical numbers.
+
 The two libraries do comparable but not identical work: qwix picks MX scales as
 2**ceil(log2(amax / elem_max)) (lowbit's default is OCP's floor rule) and gives NVFP4 no per-tensor
 scale, and it has no stochastic rounding for float formats (its noise function applies only to
@@ -27,6 +32,7 @@ Results go to ``--out`` (default ``benchmarks/results/bench_quantize.json``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -70,10 +76,18 @@ def load_qwix() -> tuple[Any | None, str | None]:
     return qwix, None
 
 
-def _lowbit_fn(fmt: str, rounding: str) -> Callable[..., jax.Array]:
-    if rounding == "stochastic":
-        return jax.jit(lambda x, key: lb.fake_quantize(x, fmt, rounding="stochastic", key=key))
-    return jax.jit(lambda x: lb.fake_quantize(x, fmt))
+def _lowbit_fn(
+    fmt: str, rounding: str, x: jax.Array, key: jax.Array, native: str | None = None
+) -> Callable[[], jax.Array]:
+    """A compiled ``fake_quantize`` call; ``native``: the ``lb.native.mode`` to compile it
+    under (None: the default policy, i.e. what a user gets)."""
+    with lb.native.mode(native) if native else contextlib.nullcontext():
+        if rounding == "stochastic":
+            f = jax.jit(lambda x, key: lb.fake_quantize(x, fmt, rounding="stochastic", key=key))
+            compiled = f.lower(x, key).compile()
+            return lambda: compiled(x, key)
+        compiled = jax.jit(lambda x: lb.fake_quantize(x, fmt)).lower(x).compile()
+        return lambda: compiled(x)
 
 
 def _qwix_fn(qwix: Any, qtype: str, block: int) -> Callable[[jax.Array], jax.Array]:
@@ -118,6 +132,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"smoke run: {QUICK_SIZE}x{QUICK_SIZE}, {QUICK_RUNS} rounds",
     )
     p.add_argument("--no-qwix", action="store_true", help="skip the qwix comparison")
+    p.add_argument(
+        "--no-xla-path",
+        action="store_true",
+        help="do not also time the XLA emulation when the native CPU kernel is active",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     args = p.parse_args(argv)
     args.size = args.size or (QUICK_SIZE if args.quick else 4096)
@@ -147,13 +166,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     candidates: dict[str, Callable[[], Any]] = {}
     base = jax.jit(lambda x: x * 2 + 1)
     candidates[BASELINE] = lambda: base(x)
+    # What a user gets (the compiled CPU kernel when lowbit.native is active), and side by
+    # side the XLA emulation alone.
+    native = lb.native.active()
     for fmt in args.formats:
         for rounding in ROUNDINGS:
-            fn = _lowbit_fn(fmt, rounding)
-            if rounding == "stochastic":
-                candidates[f"lowbit/{fmt}/{rounding}"] = lambda fn=fn: fn(x, key)
-            else:
-                candidates[f"lowbit/{fmt}/{rounding}"] = lambda fn=fn: fn(x)
+            candidates[f"lowbit/{fmt}/{rounding}"] = _lowbit_fn(fmt, rounding, x, key)
+            if native and not args.no_xla_path:
+                candidates[f"lowbit-xla/{fmt}/{rounding}"] = _lowbit_fn(
+                    fmt, rounding, x, key, native="off"
+                )
 
     # qwix: optional; a missing package, format or a failure becomes a status, not a crash.
     qwix, qwix_missing = (None, "disabled (--no-qwix)") if args.no_qwix else load_qwix()
@@ -191,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for rounding in ROUNDINGS:
             t = timings[f"lowbit/{fmt}/{rounding}"]
             ratio = t.median_s / t_base.median_s
+            t_xla = timings.get(f"lowbit-xla/{fmt}/{rounding}", t if not native else None)
             limit = bound(fmt, rounding)
             t_qwix = timings.get(f"qwix/{fmt}") if rounding == "nearest" else None
             if rounding == "stochastic" and qwix_status[fmt] == "ok":
@@ -211,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     "x_baseline": ratio,
                     # Fastest over fastest: a cross-check on a loaded machine, not the verdict.
                     "x_baseline_min": min(t.samples_s) / min(t_base.samples_s),
+                    "path": "native" if native else "xla",
+                    "xla_x_baseline": None if t_xla is None else t_xla.median_s / t_base.median_s,
                     "bound": limit,
                     "within_bound": None if limit is None else ratio <= limit,
                     "qwix_qtype": QWIX_QTYPES.get(fmt),
@@ -245,6 +270,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         },
         "environment": env,
         "baseline": {"op": "x * 2 + 1", **t_base.to_json()},
+        "native": {
+            "active": native,
+            "available": lb.native.available(),
+            "why_unavailable": lb.native.why_unavailable(),
+        },
         "qwix": {
             "available": qwix is not None,
             "version": getattr(qwix, "__version__", None),
@@ -280,6 +310,8 @@ def _print_table(rows: list[dict[str, Any]], t_base: common.Timing, args) -> Non
         ("x_baseline", "x baseline", "{:.2f}x"),
         ("x_baseline_min", "(of mins)", "{:.2f}x"),
         ("bound", "bound", "<={:.1f}x"),
+        ("path", "path"),
+        ("xla_x_baseline", "xla path", "{:.2f}x"),
         ("qwix_ms", "qwix ms"),
         ("lowbit_over_qwix", "lowbit/qwix"),
         ("lowbit_over_qwix_min", "(of mins)"),

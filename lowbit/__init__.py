@@ -5,7 +5,7 @@
 4.25
 """
 
-from lowbit import formats, hadamard, numerics, recipes
+from lowbit import formats, hadamard, native, numerics, recipes
 from lowbit.dot_general import dot_general, einsum
 from lowbit.formats import BlockFormat, ElementFormat, ScaleFormat
 from lowbit.qarray import QArray, dequantize, fake_quantize, quantize
@@ -26,6 +26,7 @@ __all__ = [
     "flax",
     "formats",
     "hadamard",
+    "native",
     "numerics",
     "recipes",
     "BlockFormat",

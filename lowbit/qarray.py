@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from lowbit import formats as _formats
+from lowbit import native as _native
 from lowbit.formats import E4M3, BlockFormat, ElementFormat
 from lowbit.numerics import (
     exponent,
@@ -618,6 +619,16 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
 
 
 def _fake_quantize_impl(x, key, tensor_amax, plan: _Plan, want_clip: bool):
+    if not want_clip and _native.supports(plan) and _native.active():
+        # On CPU, the compiled one-pass kernel (bit-identical; see lowbit/native.py).
+        def xla(x):
+            return _fake_quantize_impl_xla(x, key, tensor_amax, plan, False)[0]
+
+        return _native.fake_quantize(x, key, tensor_amax, plan, xla), None
+    return _fake_quantize_impl_xla(x, key, tensor_amax, plan, want_clip)
+
+
+def _fake_quantize_impl_xla(x, key, tensor_amax, plan: _Plan, want_clip: bool):
     qz = _quantize_blocks(_to_blocks(x, plan), plan, key, tensor_amax, want_clip)
     y = _from_blocks(qz.mul(qz.elems), plan).astype(x.dtype)
     if not want_clip:

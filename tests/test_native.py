@@ -1,0 +1,395 @@
+"""The compiled CPU kernel (``lowbit.native``): bit-identical to the XLA path, and to the
+numpy reference, everywhere ``fake_quantize`` can send it; its policy and its build.
+
+Every comparison traces the same function twice, under ``lb.native.mode("off")`` (the XLA
+emulation) and ``mode("on")`` (the kernel), checks that the second really contains the custom
+call, and requires the same NaN positions and the same bits everywhere else. The conftest's
+four host devices make the default policy ("auto") pick the XLA path for the rest of the
+suite, so these tests are where the kernel is exercised.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lowbit as lb
+from lowbit import native
+from lowbit import qarray as _qa
+from tests import reference as ref
+
+needs_kernel = pytest.mark.skipif(
+    not native.available(), reason=f"no native CPU kernel: {native.why_unavailable()}"
+)
+FORMATS = lb.formats.names()
+MX = [f for f in FORMATS if not lb.formats.get(f).tensor_scale]
+RNG = np.random.default_rng(7)
+
+
+def hard_values(shape, seed=0) -> np.ndarray:
+    """Magnitudes over 2**-60 .. 2**60, zeros, NaN, +-Inf, a block of subnormals, a block
+    of tiny normals and one near float32's max: every special case of the block scale."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-60, 61, shape))
+    flat = x.reshape(-1)
+    n = flat.size
+    flat[:: max(1, n // 23)] = 0.0
+    flat[n // 9 : n // 9 + 32] = 1e-40  # flushed to zero on CPU
+    flat[n // 5 : n // 5 + 40] = rng.standard_normal(40) * 1e-37
+    flat[n // 3 : n // 3 + 40] = np.clip(rng.standard_normal(40) * 3e38, -3.4e38, 3.4e38)
+    flat[n // 2] = np.nan
+    flat[2 * n // 3] = np.inf
+    flat[3 * n // 4] = -np.inf
+    return x.astype(np.float32)
+
+
+def _lowered_text(fn, args) -> str:
+    return jax.jit(fn).lower(*args).as_text()
+
+
+def both(fn, *args):
+    """``fn(*args)`` jitted under the XLA path and under the kernel (a fresh function each
+    time, so that no trace is reused across modes)."""
+    with native.mode("off"):
+        want = jax.jit(lambda *a: fn(*a))(*args)
+        assert native.TARGET not in _lowered_text(lambda *a: fn(*a), args)
+    with native.mode("on"):
+        got = jax.jit(lambda *a: fn(*a))(*args)
+        assert native.TARGET in _lowered_text(lambda *a: fn(*a), args), "the kernel was not used"
+    return want, got
+
+
+def assert_identical(want, got):
+    want, got = np.asarray(want), np.asarray(got)
+    assert want.shape == got.shape and want.dtype == got.dtype
+    nan_w, nan_g = np.isnan(want.astype(np.float32)), np.isnan(got.astype(np.float32))
+    np.testing.assert_array_equal(nan_w, nan_g, err_msg="NaN positions differ")
+    bits = {2: np.uint16, 4: np.uint32}[want.dtype.itemsize]
+    w, g = want.view(bits)[~nan_w], got.view(bits)[~nan_g]
+    bad = np.nonzero(w != g)[0]
+    examples = f"{want[~nan_w][bad[:4]]} vs {got[~nan_g][bad[:4]]}"
+    assert bad.size == 0, f"{bad.size} values differ, e.g. {examples}"
+
+
+def _key(rounding):
+    return jax.random.key(11) if rounding == "stochastic" else None
+
+
+# --------------------------------------------------------------------------------------------
+# Numerics: the kernel against the XLA path
+
+
+@needs_kernel
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize(
+    "fmt,scale_mode",
+    [(f, m) for f in MX for m in _qa.SCALE_MODES] + [("nvfp4", None)],
+)
+def test_every_format_scale_mode_and_rounding_matches_the_xla_path(fmt, scale_mode, rounding):
+    x = jnp.asarray(hard_values((48, 160)))
+    key = _key(rounding)
+    want, got = both(
+        lambda x: lb.fake_quantize(x, fmt, scale_mode=scale_mode, rounding=rounding, key=key), x
+    )
+    assert_identical(want, got)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "shape,axis,block",
+    [
+        ((40, 70), -1, None),  # padded last axis
+        ((70, 40), 0, None),  # blocks down the rows (strided), padded
+        ((3, 50, 6), 1, 16),  # middle axis
+        ((2, 3, 4, 96), 2, 8),  # short axis padded to one block
+        ((130,), 0, 64),  # rank 1
+        ((5, 24), -1, 24),  # a block that is neither 16 nor 32
+    ],
+)
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp6_e3m2", "mxint8", "nvfp4"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_axes_blocks_and_padding_match_the_xla_path(shape, axis, block, fmt, rounding):
+    if block is not None and block % {4: 2, 6: 4}.get(lb.formats.get(fmt).elem.bits, 1):
+        pytest.skip("block does not pack")
+    x = jnp.asarray(hard_values(shape, seed=len(shape)))
+    bs = None if block is None else (block,)
+    key = _key(rounding)
+    want, got = both(
+        lambda x: lb.fake_quantize(x, fmt, axis, rounding=rounding, key=key, block_shape=bs), x
+    )
+    assert_identical(want, got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_large_arrays_split_over_threads_match(rounding, axis):
+    """Above 2**16 elements the work is split over the XLA thread pool."""
+    x = jnp.asarray(hard_values((512, 384), seed=3))
+    key = _key(rounding)
+    for fmt in ("mxfp8_e4m3", "nvfp4"):
+        want, got = both(
+            lambda x, fmt=fmt: lb.fake_quantize(x, fmt, axis, rounding=rounding, key=key), x
+        )
+        assert_identical(want, got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_inputs_match(dtype):
+    x = jnp.asarray(RNG.standard_normal((16, 64)) * 50, dtype)
+    for fmt in ("mxfp4", "mxfp8_e5m2", "nvfp4"):
+        want, got = both(lambda x, fmt=fmt: lb.fake_quantize(x, fmt), x)
+        assert got.dtype == dtype
+        assert_identical(want, got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxint8", "nvfp4"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_element_gain_matches(fmt, rounding):
+    """Recipes scale elements by 3/4 before rounding (and divide after): plan.gain."""
+    x = jnp.asarray(hard_values((8, 96), seed=5))
+    key = None if rounding == "nearest" else jax.random.key_data(jax.random.key(2))
+    plan = _qa._make_plan(x.shape, fmt, -1, None, None, rounding, key, None, gain=0.75)
+    want, got = both(lambda x: _qa._fake_quantize_impl(x, key, None, plan, False)[0], x)
+    assert_identical(want, got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tensor_amax", [0.0, 1e-36, 0.5, 3.0, 1e6])
+def test_nvfp4_calibrated_tensor_amax_matches(tensor_amax):
+    """A calibrated amax below the data's clips block scales at 448; 0 and tiny values make
+    the tensor scale 0 (or subnormal, flushed), zeroing every block."""
+    x = jnp.asarray(RNG.standard_normal((16, 64)).astype(np.float32))
+    want, got = both(
+        lambda x, t: lb.fake_quantize(x, "nvfp4", tensor_amax=t), x, jnp.float32(tensor_amax)
+    )
+    assert_identical(want, got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_blocks_of_zeros_and_tiny_values_match(fmt):
+    x = np.zeros((4, 64), np.float32)
+    x[1, :32] = 1e-40
+    x[2, :] = 2.0**-126
+    x[3, :16] = -(2.0**-120)
+    want, got = both(lambda x: lb.fake_quantize(x, fmt), jnp.asarray(x))
+    assert_identical(want, got)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel against the independent numpy reference
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt,scale_mode", [(f, m) for f in MX for m in ref.SCALE_MODES])
+def test_mx_matches_the_numpy_reference(fmt, scale_mode):
+    x = (RNG.standard_normal((6, 128)) * np.exp2(RNG.integers(-20, 20, (6, 128)))).astype(
+        np.float32
+    )
+    x[0, 5] = np.nan
+    x[2, 40] = -np.inf
+    with native.mode("on"):
+        got = jax.jit(lambda x: lb.fake_quantize(x, fmt, scale_mode=scale_mode))(x)
+    want = ref.mx_quantize(x, fmt, scale_mode=scale_mode).values
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("axis", [0, 1])
+def test_nvfp4_matches_the_numpy_reference(axis):
+    x = (RNG.standard_normal((48, 64)) * np.exp2(RNG.integers(-6, 6, (48, 64)))).astype(np.float32)
+    with native.mode("on"):
+        got = jax.jit(lambda x: lb.fake_quantize(x, "nvfp4", axis))(x)
+    np.testing.assert_array_equal(np.asarray(got), ref.nvfp4_quantize(x, axis).values)
+
+
+# --------------------------------------------------------------------------------------------
+# Transformations
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["mxfp6_e2m3", "nvfp4"])
+def test_vmap_nearest_matches(fmt):
+    x = jnp.asarray(hard_values((3, 8, 64), seed=9))
+    want, got = both(jax.vmap(lambda x: lb.fake_quantize(x, fmt)), x)
+    assert_identical(want, got)
+    want, got = both(jax.vmap(jax.vmap(lambda x: lb.fake_quantize(x, fmt, 0))), x)
+    assert_identical(want, got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_vmap_stochastic_with_batched_and_shared_keys_matches(fmt):
+    """A batched key gives each slice its stream; a shared key gives every slice the same
+    stream (the index restarts at zero in each slice), on both paths."""
+    x = jnp.asarray(RNG.standard_normal((4, 8, 32)).astype(np.float32))
+    keys = jax.random.split(jax.random.key(5), 4)
+
+    def sr(x, k):
+        return lb.fake_quantize(x, fmt, rounding="stochastic", key=k)
+
+    want, got = both(jax.vmap(sr), x, keys)
+    assert_identical(want, got)
+    want, got = both(jax.vmap(sr, in_axes=(0, None)), x, keys[0])
+    assert_identical(want, got)
+    x_same = jnp.broadcast_to(x[:1], x.shape)
+    _, got = both(jax.vmap(sr, in_axes=(0, None)), x_same, keys[0])
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(got[3]))
+
+
+@needs_kernel
+def test_vmap_nvfp4_tensor_amax_is_per_slice():
+    x = (
+        jnp.asarray(RNG.standard_normal((3, 4, 32)).astype(np.float32))
+        * jnp.array([1.0, 100.0, 1e-3])[:, None, None]
+    )
+    t = jnp.array([0.5, 300.0, 2e-3], jnp.float32)
+    want, got = both(jax.vmap(lambda x, t: lb.fake_quantize(x, "nvfp4", tensor_amax=t)), x, t)
+    assert_identical(want, got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_straight_through_gradient_is_unchanged(fmt):
+    x = jnp.asarray(RNG.standard_normal((8, 64)).astype(np.float32))
+    w = jnp.asarray(RNG.standard_normal((8, 64)).astype(np.float32))
+
+    def loss(x):
+        return jnp.sum(lb.fake_quantize(x, fmt) * w)
+
+    want, got = both(jax.value_and_grad(loss), x)
+    for a, b in zip(want, got, strict=True):
+        assert_identical(a, b)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(w))
+
+
+@needs_kernel
+def test_clip_gradient_and_2d_tiles_keep_the_xla_path():
+    x = jnp.ones((32, 32))
+    with native.mode("on"):
+        assert native.TARGET not in _lowered_text(
+            lambda x: lb.fake_quantize(x, "mxfp4", block_shape=(16, 16)), (x,)
+        )
+        g = jax.grad(lambda x: lb.fake_quantize(x, "mxfp4", clip_gradient=True).sum())
+        assert native.TARGET not in jax.jit(g).lower(x).as_text()
+
+
+@needs_kernel
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "quartet"])
+def test_quantized_dot_general_forward_and_backward_match(recipe):
+    """``lowbit.dot_general`` quantizes its operands through the same implementation, so a
+    training step is bit-identical on both paths."""
+    x = jnp.asarray(RNG.standard_normal((32, 64)).astype(np.float32))
+    w = jnp.asarray(RNG.standard_normal((64, 64)).astype(np.float32))
+    key = jax.random.key(3)
+    dn = (((1,), (0,)), ((), ()))
+
+    def loss(x, w):
+        return jnp.sum(jnp.tanh(lb.dot_general(x, w, dn, recipe=recipe, key=key)))
+
+    want, got = both(jax.value_and_grad(loss, argnums=(0, 1)), x, w)
+    assert_identical(want[0], got[0])
+    for a, b in zip(want[1], got[1], strict=True):
+        assert_identical(a, b)
+
+
+@needs_kernel
+def test_lowering_for_cuda_does_not_contain_the_kernel():
+    """The choice is a platform_dependent: exporting for GPU lowers the XLA path only."""
+    x = jnp.ones((8, 64))
+    with native.mode("on"):
+        exp = jax.export.export(
+            jax.jit(lambda x: lb.fake_quantize(x, "mxfp4")), platforms=["cuda"]
+        )(x)
+    assert native.TARGET not in exp.mlir_module()
+
+
+# --------------------------------------------------------------------------------------------
+# Policy and build
+
+
+def test_auto_mode_needs_a_single_cpu_device():
+    assert len(jax.local_devices(backend="cpu")) > 1, "conftest sets 4 host devices"
+    with native.mode("auto"):
+        assert not native.active()
+    with native.mode("off"):
+        assert not native.active()
+    with native.mode("on"):
+        assert native.active() == native.available()
+
+
+def test_auto_mode_uses_the_kernel_in_a_single_device_process():
+    import subprocess
+    import sys
+
+    code = (
+        "import jax, jax.numpy as jnp, lowbit as lb\n"
+        "t = jax.jit(lambda x: lb.fake_quantize(x, 'mxfp4')).lower(jnp.ones((4, 32))).as_text()\n"
+        "print(lb.native.active(), lb.native.TARGET in t)\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    expected = native.available()
+    assert out.stdout.split() == [str(expected), str(expected)]
+
+
+def test_an_unknown_mode_is_rejected():
+    with pytest.raises(ValueError, match="'fast'"):
+        with native.mode("fast"):
+            pass
+
+
+def test_mode_is_restored_after_an_exception():
+    with native.mode("off"):
+        with pytest.raises(RuntimeError):
+            with native.mode("on"):
+                raise RuntimeError("boom")
+        assert not native.active()
+
+
+def test_build_without_a_compiler_explains_and_main_does_not_fail(monkeypatch, capsys):
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    with pytest.raises(native.NativeBuildError, match="no C.. compiler"):
+        native.build()
+    assert native.library_path() is None
+    assert native.main([]) == 0
+    assert "XLA path" in capsys.readouterr().out
+
+
+@needs_kernel
+def test_build_is_cached_per_machine(tmp_path):
+    path = native.build()
+    mtime = path.stat().st_mtime_ns
+    assert native.build() == path and path.stat().st_mtime_ns == mtime
+    assert path == native.library_path() and path.suffix == ".so"
+
+
+def test_a_compile_error_is_reported_with_the_compiler_output(monkeypatch, tmp_path):
+    if native._compiler() is None:
+        pytest.skip("no compiler")
+    bad = tmp_path / "broken.cc"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(native, "SOURCE", bad)
+    monkeypatch.setenv("LOWBIT_NATIVE_CACHE", str(tmp_path / "cache"))
+    native._build_key.cache_clear()
+    try:
+        with pytest.raises(native.NativeBuildError, match="broken.cc"):
+            native.build()
+        assert not list((tmp_path / "cache").glob("*.so")), "no library left behind"
+    finally:
+        native._build_key.cache_clear()
+
+
+def test_supports_only_one_dimensional_blocks():
+    plan = _qa._make_plan((32, 32), "mxfp4", -1, None, None, "nearest", None, None)
+    assert native.supports(plan)
+    tile = _qa._make_plan((32, 32), "mxfp4", (0, 1), (16, 16), None, "nearest", None, None)
+    assert not native.supports(tile)
