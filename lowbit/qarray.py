@@ -516,13 +516,22 @@ def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Qua
 def _ieee_div(a: jax.Array, b) -> jax.Array:
     """``a / b`` correctly rounded, for a ``b`` that broadcasts against ``a``.
 
-    XLA rewrites a division whose divisor is a broadcast (a constant, a scalar, a per-block
-    value) into a multiplication by the rounded reciprocal, which is 1 ulp off for about
-    a third of inputs, and differently with and without jit or vmap. Adding ``a * 0`` makes
-    the divisor an elementwise value of ``a``'s shape, which XLA divides exactly. (NaN or
-    Inf in ``a`` makes the quotient NaN, which only happens in blocks that are NaN anyway.)
+    XLA rewrites divisions it could instead compute differently, and the results are not the
+    float32 quotient: a division by a broadcast (a constant, a scalar, a per-block value)
+    becomes a multiplication by the rounded reciprocal (1 ulp off for about a third of
+    inputs, and differently with and without jit or vmap); ``(A / B) / C`` becomes
+    ``A / (B * C)``, and ``A / (B / C)`` becomes ``(A * C) / B``. NVFP4 chains exactly these:
+    ``(amax / 6) / t`` and ``1 / t`` with ``t = tamax / 2688``. Both operands get ``+ z``
+    with ``z = a * 0`` (``b * 0`` for a constant ``a``, whose ``a * 0`` would fold away):
+    XLA cannot fold ``z`` (it is NaN for NaN or Inf), so the divisor is an elementwise
+    value of ``a``'s shape and neither operand is a quotient, and XLA divides exactly. The
+    last two rewrites were found by the native CPU kernel's cross-check (lowbit/native.py):
+    they moved NVFP4 block scales by 1 ulp, and that flipped roundings in training.
+    (A NaN or Inf operand makes the quotient NaN; that only happens where the value is NaN
+    anyway or unused.)
     """
-    return a / (b + a * np.float32(0))
+    z = (a if isinstance(a, jax.Array) else b) * np.float32(0)
+    return (a + z) / (b + z)
 
 
 def _ungain(y: jax.Array, gain: float) -> jax.Array:

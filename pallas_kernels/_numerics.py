@@ -68,8 +68,10 @@ def ieee_div(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
     """Correctly rounded float32 ``a / b`` (``b`` broadcasts against ``a``)."""
     b = jnp.broadcast_to(b, a.shape)
     if interpret:
-        # lowbit's _ieee_div: an elementwise divisor keeps XLA from using a reciprocal.
-        return a / (b + a * np.float32(0))
+        # lowbit's _ieee_div: both operands get + a * 0, so XLA neither uses a reciprocal
+        # nor reassociates chained divisions ((A / B) / C into A / (B * C)).
+        z = a * np.float32(0)
+        return (a + z) / (b + z)
     return plgpu.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;",
         args=[a, b],

@@ -577,6 +577,69 @@ def test_nvfp4_saturates_elements_when_block_scale_clips():
     assert_bits_equal(fake, expected, "nvfp4 fake_quantize saturation", x)
 
 
+# Two NVFP4 tensors from a training step (tiny GPT, nvfp4 recipe: a (16, 64, 256) activation
+# and a (16, 64, 64) one), reduced to the block that went wrong and the tensor's amax. XLA
+# rewrote (amax / 6) / t into amax / (6 * t) (s_raw 184.0 instead of 183.99998, an E4M3 tie:
+# s = 192 instead of 176) and 1 / (tamax / 2688) into 2688 / tamax (r 1 ulp high, x * r =
+# 3.5000002 instead of 3.4999998: E2M1 4 instead of 3). Found by the native kernel's check.
+NVFP4_TRAINING_BLOCKS = [
+    ([-0.07977195829153061, -0.0928848460316658, -0.049612291157245636, 0.07748080790042877,
+      0.021946197375655174, 0.07781267911195755, 0.22371549904346466, 0.08873916417360306,
+      -0.017720282077789307, -0.09799240529537201, -0.10386866331100464, -0.033271100372076035,
+      0.18365246057510376, -0.044825002551078796, 0.15613622963428497, 0.1333160102367401],
+     0.5446986556053162),
+    ([-0.36784806847572327, 0.9213835597038269, 0.13473504781723022, 0.061383623629808426,
+      0.09135536104440689, -1.5270532369613647, -0.3780451714992523, 0.7453017830848694,
+      -2.414548397064209, -1.8911420106887817, -1.2487531900405884, -0.6336798667907715,
+      0.5682953596115112, -1.3385666608810425, 0.7545039057731628, -0.13124613463878632],
+     3.5695111751556396),
+]
+
+
+def _nvfp4_division_sensitive_rows(n: int = 48, seed: int = 0) -> np.ndarray:
+    """Rows of two NVFP4 blocks (a block, then one holding the tensor amax) whose block
+    scale (amax / 6) / t, computed step by step in float32, falls on the other side of an
+    E4M3 rounding tie than amax / (6 * t) does: any reassociation of the two divisions
+    changes the result."""
+    f32 = np.float32
+    rng = np.random.default_rng(seed)
+    grid = ref.positive_grid(ref.ELEMS["e4m3"])[0]
+    ties = (grid[1:] + grid[:-1]) / 2
+    ties = ties[(ties > 1) & (ties < 440)]
+    rows = []
+    while len(rows) < n:
+        tamax = f32(rng.uniform(0.05, 200.0))
+        t = f32(tamax / f32(2688))
+        tie = f32(rng.choice(ties))
+        amax = f32(tie * 6 * t)
+        for _ in range(64):
+            two_step = f32(f32(amax / f32(6)) / t)
+            one_step = f32(amax / f32(f32(6) * t))
+            if (two_step < tie) != (one_step < tie) and amax <= tamax:
+                row = np.zeros(32, np.float32)
+                row[:16] = rng.uniform(-1, 1, 16).astype(np.float32) * amax
+                row[int(rng.integers(16))] = -amax if rng.integers(2) else amax
+                row[16] = tamax
+                rows.append(row)
+                break
+            amax = np.nextafter(amax, f32(np.inf) if two_step < tie else f32(0))
+    return np.stack(rows)
+
+
+def test_nvfp4_divisions_are_not_reassociated():
+    rows = _nvfp4_division_sensitive_rows()
+    blocks = np.zeros((len(NVFP4_TRAINING_BLOCKS), 32), np.float32)
+    for i, (block, tamax) in enumerate(NVFP4_TRAINING_BLOCKS):
+        blocks[i, :16] = block
+        blocks[i, 16] = tamax
+    for x in (rows, blocks):
+        expected = np.stack([ref.nvfp4_quantize(r[None]).values[0] for r in x])
+        fake = jax.jit(jax.vmap(lambda r: lb.fake_quantize(r[None], "nvfp4")[0]))(x)
+        assert_bits_equal(fake, expected, "nvfp4 with a tensor scale that is not 1", x)
+        q, y, fake2 = run_quantizer(x[:1], "nvfp4")
+        assert_bits_equal(fake2, ref.nvfp4_quantize(x[:1]).values, "nvfp4 (one row)", x[:1])
+
+
 # --------------------------------------------------------------------------------------------
 # Random inputs (with planted zero and +-Inf blocks and a line near 1e-30) against the
 # reference: MX formats x scale modes x axes, and NVFP4
