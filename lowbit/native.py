@@ -175,9 +175,14 @@ def build(force: bool = False) -> Path:
     assert out is not None
     if out.exists() and not force:
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+    except OSError as e:
+        raise NativeBuildError(
+            f"cannot write the kernel to {out.parent} ({e}); set LOWBIT_NATIVE_CACHE"
+        ) from e
     cmd = [compiler, *_CXXFLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
     _log.info("lowbit: compiling the CPU fake-quantize kernel: %s", " ".join(cmd))
     try:
@@ -190,7 +195,10 @@ def build(force: bool = False) -> Path:
         raise NativeBuildError(
             f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-4000:]}"
         )
-    os.replace(tmp, out)
+    try:
+        os.replace(tmp, out)
+    except OSError as e:
+        raise NativeBuildError(f"cannot write the kernel to {out} ({e})") from e
     return out
 
 
@@ -238,8 +246,11 @@ def _check_mode(m: str) -> str:
 @contextlib.contextmanager
 def mode(m: str):
     """Use the kernel ``"on"`` (whenever available), ``"off"``, or ``"auto"`` (one CPU
-    device) inside this block. Applies when a function is traced: a jitted function keeps
-    the path it was compiled with.
+    device) inside this block (process-wide, not per thread).
+
+    It applies when a function is traced, and JAX keeps a Python function's trace across
+    ``jax.jit`` wrappers: a function traced before keeps its path. Trace a new function (a
+    lambda around it) or call ``jax.clear_caches()`` to switch.
     """
     global _mode
     m = _check_mode(m)

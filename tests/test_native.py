@@ -326,6 +326,24 @@ def test_lowering_for_cuda_does_not_contain_the_kernel():
     assert native.TARGET not in exp.mlir_module()
 
 
+@needs_kernel
+def test_exporting_for_cpu_needs_mode_off_or_the_custom_call_allowed():
+    x = jnp.ones((8, 64))
+
+    def fq(x):
+        return lb.fake_quantize(x, "mxfp4")
+
+    with native.mode("on"):
+        with pytest.raises(ValueError, match="custom call"):
+            jax.export.export(jax.jit(fq), platforms=["cpu"])(x)
+        allowed = [jax.export.DisabledSafetyCheck.custom_call(native.TARGET)]
+        exp = jax.export.export(jax.jit(fq), platforms=["cpu"], disabled_checks=allowed)(x)
+        np.testing.assert_array_equal(np.asarray(exp.call(x)), np.asarray(jax.jit(fq)(x)))
+    with native.mode("off"):  # a new function: JAX reuses a function's trace across jit()s
+        exp = jax.export.export(jax.jit(lambda x: fq(x)), platforms=["cpu"])(x)
+        assert native.TARGET not in exp.mlir_module()
+
+
 # --------------------------------------------------------------------------------------------
 # Policy and build
 
@@ -379,6 +397,18 @@ def test_build_without_a_compiler_explains_and_main_does_not_fail(monkeypatch, c
     assert native.library_path() is None
     assert native.main([]) == 0
     assert "XLA path" in capsys.readouterr().out
+
+
+def test_an_unwritable_cache_is_a_build_error_not_a_crash(monkeypatch, tmp_path, capsys):
+    if native._compiler() is None:
+        pytest.skip("no compiler")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("LOWBIT_NATIVE_CACHE", str(blocker / "cache"))
+    with pytest.raises(native.NativeBuildError, match="LOWBIT_NATIVE_CACHE"):
+        native.build()
+    assert native.main([]) == 0
+    assert "not built" in capsys.readouterr().out
 
 
 @needs_kernel
