@@ -68,9 +68,11 @@ def ieee_div(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
     """Correctly rounded float32 ``a / b`` (``b`` broadcasts against ``a``)."""
     b = jnp.broadcast_to(b, a.shape)
     if interpret:
-        # lowbit's _ieee_div: both operands get + a * 0, so XLA neither uses a reciprocal
-        # nor reassociates chained divisions ((A / B) / C into A / (B * C)).
-        z = a * np.float32(0)
+        # As lowbit's _ieee_div: both operands get + z, so XLA neither uses a reciprocal nor
+        # rewrites chained divisions ((A / B) / C, A / (B / C)); interpret mode inlines the
+        # kernel into the caller, where t = tamax / 2688 is visible. z includes b * 0 because
+        # a may be a constant (the 1 of 1 / t), whose a * 0 folds to 0.
+        z = a * np.float32(0) + b * np.float32(0)
         return (a + z) / (b + z)
     return plgpu.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;",

@@ -596,11 +596,11 @@ NVFP4_TRAINING_BLOCKS = [
 ]
 
 
-def _nvfp4_division_sensitive_rows(n: int = 48, seed: int = 0) -> np.ndarray:
+def _nvfp4_division_sensitive_rows(n: int = 48, seed: int = 0, tamax=None) -> np.ndarray:
     """Rows of two NVFP4 blocks (a block, then one holding the tensor amax) whose block
     scale (amax / 6) / t, computed step by step in float32, falls on the other side of an
     E4M3 rounding tie than amax / (6 * t) does: any reassociation of the two divisions
-    changes the result."""
+    changes the result. Each row is its own tensor, or with ``tamax`` they all share it."""
     f32 = np.float32
     rng = np.random.default_rng(seed)
     grid = ref.positive_grid(ref.ELEMS["e4m3"])[0]
@@ -608,22 +608,55 @@ def _nvfp4_division_sensitive_rows(n: int = 48, seed: int = 0) -> np.ndarray:
     ties = ties[(ties > 1) & (ties < 440)]
     rows = []
     while len(rows) < n:
-        tamax = f32(rng.uniform(0.05, 200.0))
-        t = f32(tamax / f32(2688))
+        row_tamax = f32(rng.uniform(0.05, 200.0)) if tamax is None else f32(tamax)
+        t = f32(row_tamax / f32(2688))
         tie = f32(rng.choice(ties))
         amax = f32(tie * 6 * t)
         for _ in range(64):
             two_step = f32(f32(amax / f32(6)) / t)
             one_step = f32(amax / f32(f32(6) * t))
-            if (two_step < tie) != (one_step < tie) and amax <= tamax:
+            if (two_step < tie) != (one_step < tie) and amax <= row_tamax:
                 row = np.zeros(32, np.float32)
                 row[:16] = rng.uniform(-1, 1, 16).astype(np.float32) * amax
                 row[int(rng.integers(16))] = -amax if rng.integers(2) else amax
-                row[16] = tamax
+                row[16] = row_tamax
                 rows.append(row)
                 break
             amax = np.nextafter(amax, f32(np.inf) if two_step < tie else f32(0))
     return np.stack(rows)
+
+
+def _nvfp4_reciprocal_sensitive_matrix(n: int = 16, seed: int = 0) -> np.ndarray:
+    """One NVFP4 tensor (n blocks of 16) whose r = (1 / t) / s, computed step by step in
+    float32, differs from (2688 / tamax) / s, with one element per block placed so that
+    x * r lands on the other side of an E2M1 rounding tie with the two values of r."""
+    f32 = np.float32
+    rng = np.random.default_rng(seed)
+    while True:
+        tamax = f32(rng.uniform(0.05, 200.0))
+        t = f32(tamax / f32(2688))
+        if f32(f32(1) / t) != f32(f32(2688) / tamax):
+            break
+    s = ref.round_to_grid(np.array([f32(f32(tamax / f32(6)) / t)]), ref.ELEMS["e4m3"])[0][0]
+    s = f32(min(s, 448.0))
+    r_exact = f32(f32(f32(1) / t) / s)
+    r_other = f32(f32(f32(2688) / tamax) / s)
+    x = np.zeros((n, 16), np.float32)
+    x[:, 0] = tamax  # every block's amax is the tensor's: the same s in every block
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    found = 0
+    for i in range(n):
+        tie = f32(ties[i % len(ties)])
+        v = f32(tie / r_exact)
+        for _ in range(64):
+            a, b = f32(v * r_exact), f32(v * r_other)
+            if (a < tie) != (b < tie):
+                x[i, 1 + i % 15] = -v if i % 2 else v
+                found += 1
+                break
+            v = np.nextafter(v, f32(np.inf) if a < tie else f32(0))
+    assert found >= n // 2, f"only {found} of {n} blocks found a tie to straddle"
+    return x
 
 
 def test_nvfp4_divisions_are_not_reassociated():
@@ -638,6 +671,11 @@ def test_nvfp4_divisions_are_not_reassociated():
         assert_bits_equal(fake, expected, "nvfp4 with a tensor scale that is not 1", x)
         q, y, fake2 = run_quantizer(x[:1], "nvfp4")
         assert_bits_equal(fake2, ref.nvfp4_quantize(x[:1]).values, "nvfp4 (one row)", x[:1])
+    x = _nvfp4_reciprocal_sensitive_matrix()
+    q, y, fake = run_quantizer(x, "nvfp4")
+    expected = ref.nvfp4_quantize(x)
+    check_qarray(q, y, expected, x, "nvfp4, 1 / t at E2M1 ties")
+    assert_bits_equal(fake, expected.values, "nvfp4 fake_quantize, 1 / t at E2M1 ties", x)
 
 
 # --------------------------------------------------------------------------------------------

@@ -212,7 +212,11 @@ def test_nvfp4_matches_the_numpy_reference(axis):
 def test_nvfp4_division_sensitive_blocks_match_the_reference():
     """Block scales that land on E4M3 ties if (amax / 6) / t is reassociated, and the blocks
     from training where the XLA path did so (fixed in qarray._ieee_div)."""
-    from tests.test_exact import NVFP4_TRAINING_BLOCKS, _nvfp4_division_sensitive_rows
+    from tests.test_exact import (
+        NVFP4_TRAINING_BLOCKS,
+        _nvfp4_division_sensitive_rows,
+        _nvfp4_reciprocal_sensitive_matrix,
+    )
 
     x = _nvfp4_division_sensitive_rows(seed=1)
     extra = np.zeros((len(NVFP4_TRAINING_BLOCKS), 32), np.float32)
@@ -222,6 +226,10 @@ def test_nvfp4_division_sensitive_blocks_match_the_reference():
     expected = np.stack([ref.nvfp4_quantize(r[None]).values[0] for r in x])
     want, got = both(jax.vmap(lambda r: lb.fake_quantize(r[None], "nvfp4")[0]), jnp.asarray(x))
     np.testing.assert_array_equal(np.asarray(got), expected)
+    assert_identical(want, got)
+    x = _nvfp4_reciprocal_sensitive_matrix(seed=4)
+    want, got = both(lambda x: lb.fake_quantize(x, "nvfp4"), jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got), ref.nvfp4_quantize(x).values)
     assert_identical(want, got)
 
 

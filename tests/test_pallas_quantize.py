@@ -125,6 +125,22 @@ class QuantizeTestBase:
             q = self.quantize(x, fmt, -1, scale_mode=mode)
             _assert_same_qarray(q, _lowbit(x, fmt, -1, scale_mode=mode))
 
+    def test_nvfp4_division_sensitive_scales(self):
+        """Rows whose block scale crosses an E4M3 tie if (amax / 6) / t or 1 / t is
+        reassociated (tests/test_exact.py): interpret mode inlines the kernel where XLA can
+        see t = tamax / 2688, and must still divide exactly."""
+        from tests.test_exact import (
+            _nvfp4_division_sensitive_rows,
+            _nvfp4_reciprocal_sensitive_matrix,
+        )
+
+        for x in (
+            _nvfp4_division_sensitive_rows(n=16, seed=2, tamax=37.3),
+            _nvfp4_reciprocal_sensitive_matrix(n=32, seed=3),
+        ):
+            x = jnp.asarray(x)
+            _assert_same_qarray(self.quantize(x, "nvfp4", -1), _lowbit(x, "nvfp4", -1))
+
     def test_nvfp4_calibrated_tensor_amax(self):
         x = _matrix((32, 64), seed=4, specials=False)
         q = self.quantize(x, "nvfp4", 0, tensor_amax=3.0)
