@@ -23,8 +23,10 @@ jaxlib version, the compiler and the CPU. ``make`` builds it (:func:`main`);
 otherwise the first call that can use it builds it (a few seconds). Without a compiler,
 lowbit uses the XLA path and :func:`why_unavailable` says why.
 
-Policy: ``LOWBIT_NATIVE=auto`` (default) uses the kernel when the process has one CPU device,
-``on`` whenever it is available, ``off`` never; :func:`mode` changes it for a block of code.
+Policy: ``LOWBIT_NATIVE=auto`` (default) uses the kernel when the process computes on CPU
+(the default backend) with one CPU device, ``on`` whenever it is available, ``off`` never;
+:func:`mode` changes it for a block of code. (``auto`` on a GPU machine neither builds nor
+uses it: the GPU lowers the XLA path anyway.)
 The ``auto`` rule exists because XLA's SPMD partitioner cannot split a custom call: with
 several CPU devices (``--xla_force_host_platform_device_count``) a sharded input would be
 gathered onto every device, where the XLA path stays sharded. A module exported for CPU with
@@ -269,7 +271,9 @@ def active() -> bool:
     m = _check_mode(_mode)
     if m == "off":
         return False
-    if m == "auto" and len(jax.local_devices(backend="cpu")) != 1:
+    if m == "auto" and (
+        jax.default_backend() != "cpu" or len(jax.local_devices(backend="cpu")) != 1
+    ):
         return False
     return available()
 

@@ -366,6 +366,15 @@ def test_auto_mode_needs_a_single_cpu_device():
         assert native.active() == native.available()
 
 
+def test_auto_mode_stays_off_when_the_default_backend_is_not_cpu(monkeypatch):
+    monkeypatch.setattr(jax, "local_devices", lambda backend=None: [object()])
+    with native.mode("auto"):
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        assert not native.active()
+        monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+        assert native.active() == native.available()
+
+
 def test_auto_mode_uses_the_kernel_in_a_single_device_process():
     import subprocess
     import sys
