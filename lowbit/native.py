@@ -60,6 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit.numerics import key_words
+
 __all__ = [
     "TARGET",
     "MODES",
@@ -313,8 +315,6 @@ def _call(x, key, tensor_amax, plan) -> jax.Array:
         xf = jnp.pad(xf, [(0, p - d) for p, d in zip(plan.padded_shape, xf.shape, strict=True)])
     inner = int(np.prod(plan.padded_shape[axis + 1 :], dtype=np.int64))
     if plan.stochastic:
-        from lowbit.numerics import key_words
-
         words = jnp.stack(key_words(key))
     else:
         words = jnp.zeros((2,), jnp.uint32)

@@ -18,6 +18,7 @@ __all__ = [
     "pow2",
     "fmix32",
     "ldexp_exact",
+    "ieee_div",
     "materialize",
     "exponent",
     "round_to_grid",
@@ -81,6 +82,26 @@ def materialize(*xs: jax.Array):
     return lax.platform_dependent(
         xs, cpu=_while_barrier, default=lambda xs: lax.optimization_barrier(tuple(xs))
     )
+
+
+def ieee_div(a, b) -> jax.Array:
+    """``a / b`` correctly rounded in float32, for a ``b`` that broadcasts against ``a``.
+
+    XLA rewrites divisions into forms that are not the float32 quotient: a division by a
+    broadcast (a constant, a scalar, a per-block value) becomes a multiplication by the rounded
+    reciprocal (1 ulp off for about a third of inputs, and differently with and without jit or
+    vmap); ``(A / B) / C`` becomes ``A / (B * C)``, and ``A / (B / C)`` becomes ``(A * C) / B``.
+    NVFP4 chains exactly these: ``(amax / 6) / t`` and ``1 / t`` with ``t = tamax / 2688``.
+    Both operands get ``+ z`` with ``z = a * 0 + b * 0``: XLA cannot fold ``z`` (it is NaN for
+    NaN or Inf; ``b * 0`` covers a constant ``a``, whose ``a * 0`` does fold), so the divisor
+    is an elementwise value of ``a``'s shape, neither operand is a quotient, and XLA divides
+    exactly. The last two rewrites were found by the native CPU kernel's cross-check
+    (``lowbit/native.py``): they moved NVFP4 block scales by 1 ulp, which flipped roundings
+    in training. A NaN or Inf operand makes the quotient NaN; lowbit divides only where that
+    value is NaN anyway or unused.
+    """
+    z = a * np.float32(0) + b * np.float32(0)
+    return (a + z) / (b + z)
 
 
 def exponent(x: jax.Array) -> jax.Array:

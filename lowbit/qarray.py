@@ -33,6 +33,7 @@ from lowbit import native as _native
 from lowbit.formats import E4M3, BlockFormat, ElementFormat
 from lowbit.numerics import (
     exponent,
+    ieee_div,
     ldexp_exact,
     materialize,
     pow2,
@@ -489,14 +490,14 @@ def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Qua
         tamax = lax.bitcast_convert_type(tamax_bits, jnp.float32)
     else:
         tamax = jnp.asarray(tensor_amax, jnp.float32)
-    t = _ieee_div(tamax, np.float32(NVFP4_TENSOR_DIVISOR))
-    s_raw = jnp.minimum(_ieee_div(_ieee_div(amax, np.float32(elem.max)), t),
+    t = ieee_div(tamax, np.float32(NVFP4_TENSOR_DIVISOR))
+    s_raw = jnp.minimum(ieee_div(ieee_div(amax, np.float32(elem.max)), t),
                         np.float32(E4M3.max))
     s = round_to_grid(jnp.where(t > 0, s_raw, 0.0), E4M3)
     # Elements x * ((1 / t) / s): one multiplication per element, the reciprocal per block
     # (DESIGN.md allows it in place of x / (s * t); both divisions here are exact IEEE).
     live = s > 0
-    r = jnp.where(live, _ieee_div(_ieee_div(np.float32(1.0), t), jnp.where(live, s, 1.0)), 0.0)
+    r = jnp.where(live, ieee_div(ieee_div(np.float32(1.0), t), jnp.where(live, s, 1.0)), 0.0)
     (r,) = materialize(r)
     v = xb * r
     if plan.gain != 1.0:
@@ -513,30 +514,9 @@ def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Qua
     return _Quantized(q, code, mul, finite, clipped, tensor_scale=t)
 
 
-def _ieee_div(a: jax.Array, b) -> jax.Array:
-    """``a / b`` correctly rounded, for a ``b`` that broadcasts against ``a``.
-
-    XLA rewrites divisions it could instead compute differently, and the results are not the
-    float32 quotient: a division by a broadcast (a constant, a scalar, a per-block value)
-    becomes a multiplication by the rounded reciprocal (1 ulp off for about a third of
-    inputs, and differently with and without jit or vmap); ``(A / B) / C`` becomes
-    ``A / (B * C)``, and ``A / (B / C)`` becomes ``(A * C) / B``. NVFP4 chains exactly these:
-    ``(amax / 6) / t`` and ``1 / t`` with ``t = tamax / 2688``. Both operands get ``+ z``
-    with ``z = a * 0`` (``b * 0`` for a constant ``a``, whose ``a * 0`` would fold away):
-    XLA cannot fold ``z`` (it is NaN for NaN or Inf), so the divisor is an elementwise
-    value of ``a``'s shape and neither operand is a quotient, and XLA divides exactly. The
-    last two rewrites were found by the native CPU kernel's cross-check (lowbit/native.py):
-    they moved NVFP4 block scales by 1 ulp, and that flipped roundings in training.
-    (A NaN or Inf operand makes the quotient NaN; that only happens where the value is NaN
-    anyway or unused.)
-    """
-    z = (a if isinstance(a, jax.Array) else b) * np.float32(0)
-    return (a + z) / (b + z)
-
-
 def _ungain(y: jax.Array, gain: float) -> jax.Array:
     """Undo an element gain (see ``_Plan.gain``) on dequantized values."""
-    return y if gain == 1.0 else _ieee_div(y, np.float32(gain))
+    return y if gain == 1.0 else ieee_div(y, np.float32(gain))
 
 
 def _squeeze_blocks(a: jax.Array, plan: _Plan) -> jax.Array:

@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
+from lowbit import numerics as lowbit_numerics
 from lowbit.formats import ElementFormat
 from lowbit.numerics import fmix32
 
@@ -67,13 +68,8 @@ def pow2(e: jax.Array) -> jax.Array:
 def ieee_div(a: jax.Array, b: jax.Array, *, interpret: bool) -> jax.Array:
     """Correctly rounded float32 ``a / b`` (``b`` broadcasts against ``a``)."""
     b = jnp.broadcast_to(b, a.shape)
-    if interpret:
-        # As lowbit's _ieee_div: both operands get + z, so XLA neither uses a reciprocal nor
-        # rewrites chained divisions ((A / B) / C, A / (B / C)); interpret mode inlines the
-        # kernel into the caller, where t = tamax / 2688 is visible. z includes b * 0 because
-        # a may be a constant (the 1 of 1 / t), whose a * 0 folds to 0.
-        z = a * np.float32(0) + b * np.float32(0)
-        return (a + z) / (b + z)
+    if interpret:  # the kernel is inlined into XLA: guard it as lowbit does
+        return lowbit_numerics.ieee_div(a, b)
     return plgpu.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;",
         args=[a, b],

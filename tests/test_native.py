@@ -45,19 +45,21 @@ def hard_values(shape, seed=0) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def _lowered_text(fn, args) -> str:
-    return jax.jit(fn).lower(*args).as_text()
+def _compiled(fn, args):
+    """``fn(*args)`` jitted (a fresh function, so no trace is reused across modes), and the
+    text of its lowering."""
+    lowered = jax.jit(lambda *a: fn(*a)).lower(*args)
+    return lowered.compile()(*args), lowered.as_text()
 
 
 def both(fn, *args):
-    """``fn(*args)`` jitted under the XLA path and under the kernel (a fresh function each
-    time, so that no trace is reused across modes)."""
+    """``fn(*args)`` under the XLA path and under the kernel."""
     with native.mode("off"):
-        want = jax.jit(lambda *a: fn(*a))(*args)
-        assert native.TARGET not in _lowered_text(lambda *a: fn(*a), args)
+        want, text = _compiled(fn, args)
+        assert native.TARGET not in text
     with native.mode("on"):
-        got = jax.jit(lambda *a: fn(*a))(*args)
-        assert native.TARGET in _lowered_text(lambda *a: fn(*a), args), "the kernel was not used"
+        got, text = _compiled(fn, args)
+        assert native.TARGET in text, "the kernel was not used"
     return want, got
 
 
@@ -211,7 +213,7 @@ def test_nvfp4_matches_the_numpy_reference(axis):
 @needs_kernel
 def test_nvfp4_division_sensitive_blocks_match_the_reference():
     """Block scales that land on E4M3 ties if (amax / 6) / t is reassociated, and the blocks
-    from training where the XLA path did so (fixed in qarray._ieee_div)."""
+    from training where the XLA path did so (fixed in numerics.ieee_div)."""
     from tests.test_exact import (
         NVFP4_TRAINING_BLOCKS,
         _nvfp4_division_sensitive_rows,
@@ -297,9 +299,8 @@ def test_straight_through_gradient_is_unchanged(fmt):
 def test_clip_gradient_and_2d_tiles_keep_the_xla_path():
     x = jnp.ones((32, 32))
     with native.mode("on"):
-        assert native.TARGET not in _lowered_text(
-            lambda x: lb.fake_quantize(x, "mxfp4", block_shape=(16, 16)), (x,)
-        )
+        _, text = _compiled(lambda x: lb.fake_quantize(x, "mxfp4", block_shape=(16, 16)), (x,))
+        assert native.TARGET not in text
         g = jax.grad(lambda x: lb.fake_quantize(x, "mxfp4", clip_gradient=True).sum())
         assert native.TARGET not in jax.jit(g).lower(x).as_text()
 

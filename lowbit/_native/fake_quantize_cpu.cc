@@ -26,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -540,36 +541,27 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     }
   }
 
-#define LOWBIT_DISPATCH(K)                                                                  \
-  do {                                                                                      \
-    if (c.stochastic) {                                                                     \
-      if (c.has_gain)                                                                       \
-        Dispatch<K, true, true>(pool, xp, yp, units, units_per_batch, c, streams.data(),   \
-                                tensor_scales.data(), e4m3);                                \
-      else                                                                                  \
-        Dispatch<K, true, false>(pool, xp, yp, units, units_per_batch, c, streams.data(),  \
-                                 tensor_scales.data(), e4m3);                               \
-    } else {                                                                                \
-      if (c.has_gain)                                                                       \
-        Dispatch<K, false, true>(pool, xp, yp, units, units_per_batch, c, streams.data(),  \
-                                 tensor_scales.data(), e4m3);                               \
-      else                                                                                  \
-        Dispatch<K, false, false>(pool, xp, yp, units, units_per_batch, c, streams.data(), \
-                                  tensor_scales.data(), e4m3);                              \
-    }                                                                                       \
-  } while (0)
-
+  // The runtime kind, rounding and gain pick one of the compiled instantiations.
+  auto run = [&](auto kind, auto sr, auto gain) {
+    Dispatch<decltype(kind)::value, decltype(sr)::value, decltype(gain)::value>(
+        pool, xp, yp, units, units_per_batch, c, streams.data(), tensor_scales.data(), e4m3);
+  };
+  auto with_gain = [&](auto kind, auto sr) {
+    c.has_gain ? run(kind, sr, std::true_type{}) : run(kind, sr, std::false_type{});
+  };
+  auto with_rounding = [&](auto kind) {
+    c.stochastic ? with_gain(kind, std::true_type{}) : with_gain(kind, std::false_type{});
+  };
   switch (c.kind) {
     case kMxInt:
-      LOWBIT_DISPATCH(kMxInt);
+      with_rounding(std::integral_constant<Kind, kMxInt>{});
       break;
     case kNvfp4:
-      LOWBIT_DISPATCH(kNvfp4);
+      with_rounding(std::integral_constant<Kind, kNvfp4>{});
       break;
     default:
-      LOWBIT_DISPATCH(kMxFloat);
+      with_rounding(std::integral_constant<Kind, kMxFloat>{});
   }
-#undef LOWBIT_DISPATCH
   return ffi::Error::Success();
 }
 
