@@ -140,14 +140,12 @@ def _materialize(x):
 
 
 def _hadamard_along(x, axis: int, block: int, signs):
-    x = jnp.moveaxis(x, axis, -1)
-    if x.shape[-1] % block:
+    if x.shape[axis] % block:
         raise ValueError(
-            f"a Hadamard transform of block {block} along an axis of length {x.shape[-1]}: "
+            f"a Hadamard transform of block {block} along an axis of length {x.shape[axis]}: "
             f"the length must be a multiple of {block}"
         )
-    y = _hadamard.hadamard_transform(x, block, signs=signs)
-    return jnp.moveaxis(y, -1, axis)
+    return _hadamard.hadamard_transform(x, block, signs=signs, axis=axis)
 
 
 def _signs(gemm: GemmSpec, key, tag):
@@ -245,9 +243,7 @@ def _effective(xq, gemm: GemmSpec, axis, signs):
     """A forward operand in the original basis (undo the forward Hadamard)."""
     if not gemm.hadamard or axis is None:
         return xq
-    x = jnp.moveaxis(xq, axis, -1)
-    y = _hadamard.hadamard_transform(x, gemm.hadamard, signs=signs, inverse=True)
-    return jnp.moveaxis(y, -1, axis)
+    return _hadamard.hadamard_transform(xq, gemm.hadamard, signs=signs, inverse=True, axis=axis)
 
 
 def _dot(a, b, dn):

@@ -33,15 +33,32 @@ already Gaussian. A fixed ``H`` can also concentrate: it maps a constant block t
 make the rotation (and so the quantization error) vary with the key.
 Both operands of the GEMM must use the same block size and signs along the contraction axis.
 
-Implementation. ``log2(b)`` radix-2 butterfly stages, each a reshape to ``[blocks, b/2h, 2, h]``
-and a sum/difference of the two halves: ``O(n log b)`` additions, no ``b x b`` matmul. The cast
-to float32, the signs and the ``1/sqrt(b)`` scale fuse into the first stage and the inverse's
-signs into the last, so XLA runs ``log2(b)`` elementwise loops over the array. Everything is
-plain ``jax.numpy`` on linear ops, so ``jit``, ``vmap``, ``jvp`` and ``grad`` work as usual;
-the gradient of a transform is its transpose (``inverse=True`` with the same signs), and the
-VJP has the same ``log2(b)``-stage structure (see ``_butterflies``). On XLA:CPU each stage is one
-pass over memory: a 4096x4096 float32 transform measured 3-4x the time of ``x * 2 + 1`` for
-b = 32 and 128 (radix-4/8 passes and small Kronecker-factor matmuls measured no faster).
+Implementation. Two forms of the same linear map, chosen per backend and block size by
+:func:`default_method` (``method=`` overrides it):
+
+- ``"dense"``: each block times the ``b x b`` matrix ``D H`` (``H D`` for the inverse), one
+  ``lax.dot_general`` at ``Precision.HIGHEST`` with float32 accumulation: ``2 b`` flops per
+  element, which is what a GPU's tensor cores and XLA:CPU's matmul do best for ``b <= 256``.
+  Its summation order is the backend's.
+- ``"butterfly"``: ``log2(b)`` radix-2 stages of sums and differences (``O(n log b)``
+  additions). Its arithmetic is fixed, operation for operation: the signs (an exact
+  multiplication by +-1), then stages ``h = b/2, b/4, ..., 1``, each replacing the pair
+  ``(v[i], v[i + h])`` of every group of ``2h`` by ``(v[i] + v[i + h], v[i] - v[i + h])``,
+  then one multiplication by ``float32(1/sqrt(b))`` (the inverse: stages, scale, signs). Any
+  implementation that follows it (the compiled CPU kernel's fused Hadamard) reproduces it bit
+  for bit; the two forms agree to float32 rounding (tested against the float64 matrix).
+
+Measured on XLA:CPU (2 cores, ``benchmarks/bench_hadamard.py``, 4096 x 1024 float32, in
+multiples of a memory pass ``x * 2 + 1``): along the last axis the dense form costs 2.1-2.4x
+for b = 16..64, 4x at 128 and 8.5x at 256, the butterfly 10-27x; along a leading axis (the
+weight-gradient GEMM's operands, blocked along tokens) the dense form costs 5-8x for b <= 64,
+the butterfly 6-17x, and the butterfly wins from b = 128. The table in :func:`default_method`
+follows these numbers. (In CPU training the quantizer's compiled kernel applies the transform
+itself, fused with the quantization: see ``lowbit.native``.)
+
+Both forms are plain ``jax.numpy`` / ``lax`` linear ops, so ``jit``, ``vmap``, ``jvp`` and
+``grad`` work as usual; the gradient of a transform is its transpose (``inverse=True`` with the
+same signs).
 
 >>> import jax, jax.numpy as jnp
 >>> from lowbit.hadamard import hadamard_transform, random_signs
@@ -63,9 +80,12 @@ import operator
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 __all__ = [
     "BLOCK_SIZES",
+    "METHODS",
+    "default_method",
     "hadamard_transform",
     "random_signs",
     "hadamard_matrix",
@@ -99,28 +119,71 @@ def _compute_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float64) if dtype == jnp.float64 else jnp.dtype(jnp.float32)
 
 
-def _butterflies(v: jax.Array, b: int, post: jax.Array | None) -> jax.Array:
-    """Unnormalised Sylvester transform of each row of ``v [nblocks, b]``.
+METHODS = ("dense", "butterfly")
+"""The two forms of the transform (see the module docstring)."""
 
-    Stage ``h`` (``b/2, ..., 2, 1``) pairs element ``i`` with ``i + h`` inside every group of
-    ``2h`` and replaces them with their sum and difference. The stages act on different bits
-    of the in-block index, so their order does not matter. ``post`` (a ``[b]`` vector or None)
-    multiplies the output, folded into the last stage so XLA fuses it.
+
+def default_method(block_size: int, axis_is_last: bool = True, backend: str | None = None) -> str:
+    """The faster form for this block size, axis position and backend (default: JAX's).
+
+    Measured on XLA:CPU (module docstring): the dense block matmul along the last axis for
+    every size, and along a leading axis up to b = 64, the butterfly beyond. Accelerators
+    (GPU, TPU) run the dense form on their matrix units.
     """
-    nblk = v.shape[0]
+    b = _check_block_size(block_size)
+    backend = jax.default_backend() if backend is None else backend
+    if backend == "cpu" and not axis_is_last and b >= 128:
+        return "butterfly"
+    return "dense"
+
+
+def _signed_matrix(b: int, signs: jax.Array | None, inverse: bool, dtype) -> jax.Array:
+    """``D H`` (``H D`` with ``inverse``) as the right factor of row vectors: ``v @ M``."""
+    h = jnp.asarray(hadamard_matrix(b), dtype)
+    if signs is None:
+        return h
+    return h * (signs[None, :] if inverse else signs[:, None])
+
+
+def _dense(v: jax.Array, b: int, signs, inverse: bool, axis: int) -> jax.Array:
+    """``v`` (compute dtype) blocked along ``axis``: each block times ``D H`` / ``H D``."""
+    m = _signed_matrix(b, signs, inverse, v.dtype)
+    shape = v.shape
+    blocked = v.reshape(*shape[:axis], shape[axis] // b, b, *shape[axis + 1 :])
+    y = lax.dot_general(
+        blocked, m, (((axis + 1,), (0,)), ((), ())),
+        precision=lax.Precision.HIGHEST, preferred_element_type=v.dtype,
+    )  # [..., blocks, *after, b]
+    if axis + 1 != blocked.ndim - 1:
+        y = jnp.moveaxis(y, -1, axis + 1)
+    return y.reshape(shape)
+
+
+def _butterfly(v: jax.Array, b: int, signs, inverse: bool, axis: int) -> jax.Array:
+    """The fixed-order butterfly (module docstring), along ``axis``, in place (no transpose)."""
+    shape = v.shape
+    pre, n, post = shape[:axis], shape[axis], shape[axis + 1 :]
+    scale = jnp.asarray(1.0 / math.sqrt(b), v.dtype)
+
+    def along(s):  # a [b] vector broadcast along ``axis`` of the blocked view
+        return s.astype(v.dtype).reshape((1,) * len(pre) + (1, b) + (1,) * len(post))
+
+    blocked = v.reshape(*pre, n // b, b, *post)
+    if signs is not None and not inverse:
+        blocked = blocked * along(signs)
+    d = len(pre) + 1  # the in-block axis
     h = b // 2
     while h >= 1:
-        y = v.reshape(nblk, b // (2 * h), 2, h)
+        y = blocked.reshape(*pre, n // b, b // (2 * h), 2, h, *post)
         # split (not indexing): its transpose is a concatenate, so the VJP is the same
         # butterfly and fuses the same way (slicing would transpose to pads and adds).
-        top, bot = (t.reshape(nblk, b // (2 * h), h) for t in jnp.split(y, 2, axis=2))
-        s, d = top + bot, top - bot
-        if h == 1 and post is not None:
-            p = post.reshape(1, b // 2, 2, 1)
-            s, d = s * p[:, :, 0, :], d * p[:, :, 1, :]
-        v = jnp.stack([s, d], axis=2)
+        top, bot = (jnp.squeeze(t, d + 1) for t in jnp.split(y, 2, axis=d + 1))
+        blocked = jnp.stack([top + bot, top - bot], axis=d + 1).reshape(blocked.shape)
         h //= 2
-    return v.reshape(nblk, b)
+    blocked = blocked * scale
+    if signs is not None and inverse:
+        blocked = blocked * along(signs)
+    return blocked.reshape(shape)
 
 
 def hadamard_transform(
@@ -129,29 +192,34 @@ def hadamard_transform(
     *,
     signs: jax.Array | None = None,
     inverse: bool = False,
+    axis: int = -1,
+    method: str | None = None,
 ) -> jax.Array:
-    """Orthonormal Walsh–Hadamard transform of the last axis in blocks of ``block_size``.
+    """Orthonormal Walsh–Hadamard transform along ``axis`` in blocks of ``block_size``.
 
-    Each block ``v`` (``block_size`` consecutive elements of the last axis) becomes
+    Each block ``v`` (``block_size`` consecutive elements along ``axis``) becomes
     ``H (D v)`` with ``H = hadamard_matrix(block_size)`` and ``D = diag(signs)`` (identity when
     ``signs`` is None); with ``inverse=True`` it becomes ``(H D)^T v = D (H v)``. Without signs
     the transform is its own inverse. Computed in float32 (float64 for float64 input) and
     returned in ``x``'s dtype.
 
     Args:
-      x: floating-point array (float32 or bfloat16), any leading dimensions; the last axis
-        length must be a multiple of ``block_size``.
+      x: floating-point array (float32 or bfloat16) of any rank >= 1; its length along
+        ``axis`` must be a multiple of ``block_size``.
       block_size: a power of two in 16..256 (static under ``jit``).
       signs: optional ``[block_size]`` vector of +-1 (e.g. ``random_signs``), shared by all
         blocks. May be a traced value.
       inverse: apply the inverse (= transpose) transform.
+      axis: the axis the blocks run along (no transpose is made for it).
+      method: ``"dense"`` or ``"butterfly"`` (see the module docstring); None:
+        :func:`default_method` for this backend.
 
     Returns:
       An array of ``x``'s shape and dtype.
 
     Raises:
-      ValueError: bad ``block_size``, last axis not a multiple of it, or ``signs`` of the
-        wrong shape. TypeError: non-floating ``x``.
+      ValueError: bad ``block_size``, ``axis`` or ``method``, an axis length that is not a
+        multiple of the block, or ``signs`` of the wrong shape. TypeError: non-floating ``x``.
 
     >>> import jax.numpy as jnp
     >>> x = jnp.arange(32.0).reshape(1, 32)
@@ -160,31 +228,38 @@ def hadamard_transform(
     True
     >>> bool(jnp.allclose(hadamard_transform(y, 16), x, atol=1e-4))  # an involution
     True
+    >>> z = hadamard_transform(x.T, 16, axis=0, method="butterfly")  # blocks down a column
+    >>> bool(jnp.allclose(z.T, y, atol=1e-5))
+    True
     """
     b = _check_block_size(block_size)
     x = jnp.asarray(x)
     if x.ndim == 0:
         raise ValueError("x must have at least one axis, got a scalar")
-    n = x.shape[-1]
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis={axis} is out of range for x of rank {x.ndim}")
+    axis %= x.ndim
+    n = x.shape[axis]
     if n % b:
         raise ValueError(
-            f"the last axis of x (length {n}, shape {x.shape}) must be a multiple of block_size={b}"
+            f"axis {axis} of x (length {n}, shape {x.shape}) must be a multiple of "
+            f"block_size={b}"
         )
+    if method is None:
+        method = default_method(b, axis == x.ndim - 1)
+    elif method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS} or None, got {method!r}")
     cdt = _compute_dtype(x.dtype)
-    scale = jnp.asarray(1.0 / math.sqrt(b), cdt)
-    pre = scale.reshape(1, 1)
-    post = None
     if signs is not None:
         signs = jnp.asarray(signs)
         if signs.shape != (b,):
             raise ValueError(f"signs must have shape (block_size,) = ({b},), got {signs.shape}")
         signs = signs.astype(cdt)
-        if inverse:
-            post = signs
-        else:
-            pre = (signs * scale).reshape(1, b)
-    v = x.reshape(x.size // b, b).astype(cdt) * pre
-    return _butterflies(v, b, post).reshape(x.shape).astype(x.dtype)
+    v = x.astype(cdt)
+    if x.size == 0:
+        return x
+    form = _dense if method == "dense" else _butterfly
+    return form(v, b, signs, inverse, axis).astype(x.dtype)
 
 
 def random_signs(key: jax.Array, block_size: int) -> jax.Array:
@@ -207,7 +282,7 @@ def hadamard_matrix(block_size: int) -> np.ndarray:
 
     ``H[i, j] = (-1)**popcount(i & j) / sqrt(block_size)``; symmetric, ``H @ H = I``. For
     docs and tests: ``hadamard_transform(x, b)`` equals ``x @ hadamard_matrix(b)`` on each
-    block (without forming this matrix).
+    block.
 
     >>> H = hadamard_matrix(16)
     >>> H.shape, bool(np.allclose(H @ H.T, np.eye(16))), float(H[1, 1] * 4)
