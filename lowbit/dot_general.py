@@ -27,132 +27,23 @@ import numpy as np
 from jax import lax
 
 from lowbit import hadamard as _hadamard
-from lowbit import qarray as _qa
 from lowbit import recipes as _recipes
-from lowbit.formats import E4M3, E5M2
-from lowbit.numerics import materialize, round_to_grid, uniform_bits
-from lowbit.recipes import GemmSpec, QuantSpec, Recipe
+from lowbit.operand import (
+    barrier,
+    fold_key,
+    gemm_signs,
+    hadamard_along,
+    prepare_operand,
+    unpack_operand,
+)
+from lowbit.recipes import GemmSpec, Recipe
 
-__all__ = ["dot_general", "einsum", "quantize_operand", "unpack_operand"]
+__all__ = ["dot_general", "einsum"]
 
-_TENSOR_ELEMS = {"e4m3": E4M3, "e5m2": E5M2}
-_TENSOR_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 # fold_in tags: one stream per (GEMM, operand) for rounding and one per GEMM for signs.
 _FWD, _DLHS, _DRHS = 0, 1, 2
-
-
-def _fold(key, *tags):
-    if key is None:
-        return None
-    k = jax.random.wrap_key_data(key)
-    for t in tags:
-        k = jax.random.fold_in(k, t)
-    return jax.random.key_data(k)
-
-
-# --------------------------------------------------------------------------------------------
-# One operand
-
-
-def _tensor_quantize(x, spec: QuantSpec, key):
-    """Per-tensor scaled FP8 (current scaling, as in Transformer Engine): ``s = elem_max /
-    amax``, elements ``round(clip(x * s))``, values ``elements * (1 / s)``. Returns the
-    elements and the dequantization factor ``1 / s`` (float32 scalar)."""
-    elem = _TENSOR_ELEMS[spec.format]
-    amax = jnp.max(jnp.abs(x))
-    s = jnp.where(amax > 0, np.float32(elem.max) / amax, np.float32(1.0))
-    v = x * s
-    if spec.prescale != 1.0:
-        v = v * np.float32(spec.prescale)
-    v = jnp.clip(v, -elem.max, elem.max)
-    rbits = uniform_bits(key, x.shape) if spec.stochastic else None
-    return round_to_grid(v, elem, rbits=rbits), np.float32(1.0) / s
-
-
-def quantize_operand(
-    x: jax.Array,
-    spec: QuantSpec | None,
-    axis: int,
-    other_axis: int | None,
-    key: jax.Array | None,
-    *,
-    packed: bool = False,
-):
-    """Fake-quantize (float32 out) one GEMM operand along ``axis`` per ``spec``.
-
-    ``other_axis`` is the operand's free axis that a 2-D tile spans together with ``axis``.
-    ``key`` (uint32[2] key data) drives stochastic rounding. None spec: ``x`` as float32.
-    With ``packed=True`` the result is the packed form (a QArray, or FP8 codes and a float32
-    scale) that :func:`unpack_operand` turns into the same float32 values.
-    """
-    x = x.astype(jnp.float32)
-    if spec is None:
-        return x
-    if spec.stochastic and key is None:
-        raise ValueError(
-            f"the recipe rounds an operand stochastically ({spec.format}): pass key= to "
-            "lowbit.dot_general (or a 'quant' rng stream in Flax)"
-        )
-    if spec.clip_rms is not None:
-        rms = jnp.sqrt(jnp.mean(jnp.square(x), axis=axis, keepdims=True))
-        bound = np.float32(spec.clip_rms) * rms
-        x = jnp.clip(x, -bound, bound)
-    rounding_key = key if spec.stochastic else None
-    if spec.granularity == "tensor":
-        v, scale = _tensor_quantize(x, spec, rounding_key)
-        if packed:
-            return v.astype(_TENSOR_DTYPES[spec.format]), scale
-        return _qa._ungain(v * scale, spec.prescale)
-    else:
-        if spec.block_shape is not None and len(spec.block_shape) == 2:
-            if other_axis is None:
-                raise ValueError(
-                    f"a 2-D tile {spec.block_shape} needs the operand to have a free axis"
-                )
-            axes: int | tuple[int, int] = (axis, other_axis)
-        else:
-            axes = axis
-        plan = _qa._make_plan(x.shape, spec.format, axes, spec.block_shape, spec.scale_mode,
-                              spec.rounding, rounding_key, None, gain=spec.prescale)
-        if packed:
-            return _qa._quantize_with_plan(x, plan, rounding_key, None)
-        return _qa._fake_quantize_impl(x, rounding_key, None, plan, False)[0]
-
-
-def unpack_operand(packed, spec: QuantSpec | None) -> jax.Array:
-    """float32 values of :func:`quantize_operand`'s packed form (bit-identical)."""
-    if spec is None:
-        return packed
-    if spec.granularity == "tensor":
-        v, scale = packed
-        y = v.astype(jnp.float32) * scale
-    else:
-        y = _qa.dequantize(packed, jnp.float32)
-    return _qa._ungain(y, spec.prescale)
-
-
-def _materialize(x):
-    """Make XLA compute ``x`` once, before the quantizers that read it (without this, XLA
-    fuses the producer of an operand, a GELU or a layer-norm backward, into every quantizer
-    fusion that reads it and recomputes it there; measured on the bench_step FQT step on CPU:
-    mxfp4 1.29x -> 1.02x of the unquantized step in CPU time, identical losses)."""
-    return materialize(x)[0]
-
-
-def _hadamard_along(x, axis: int, block: int, signs):
-    if x.shape[axis] % block:
-        raise ValueError(
-            f"a Hadamard transform of block {block} along an axis of length {x.shape[axis]}: "
-            f"the length must be a multiple of {block}"
-        )
-    return _hadamard.hadamard_transform(x, block, signs=signs, axis=axis)
-
-
-def _signs(gemm: GemmSpec, key, tag):
-    if not gemm.hadamard or not gemm.random_signs:
-        return None
-    k = _fold(key, 1000 + tag) if key is not None else jax.random.key_data(jax.random.key(0))
-    return _hadamard.random_signs(jax.random.wrap_key_data(k), gemm.hadamard)
+_fold = fold_key
+_signs = gemm_signs
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,18 +107,10 @@ def _normalize_dn(dn, lhs_ndim, rhs_ndim):
 # The three GEMMs
 
 
-def _prepare(x, spec, gemm: GemmSpec, axis, other_axis, key, signs, barrier: bool,
+def _prepare(x, spec, gemm: GemmSpec, axis, other_axis, key, signs, use_barrier: bool,
              packed: bool = False):
-    """Hadamard (along ``axis``) then fake-quantize; float32 (or packed, see
-    :func:`quantize_operand`)."""
-    x = x.astype(jnp.float32)
-    if barrier and (spec is not None or gemm.hadamard):
-        x = _materialize(x)
-    if gemm.hadamard and axis is not None:
-        x = _hadamard_along(x, axis, gemm.hadamard, signs)
-    if axis is None:  # nothing is contracted: no block axis, keep the operand as it is
-        return x
-    return quantize_operand(x, spec, axis, other_axis, key, packed=packed)
+    return prepare_operand(x, spec, gemm, axis, other_axis, key, signs,
+                           use_barrier=use_barrier, packed=packed)
 
 
 def _fwd_operands(lhs, rhs, dims: _Dims, recipe: Recipe, key):
@@ -291,9 +174,9 @@ class _Static:
 def _pallas_prep(x, gemm: GemmSpec, axis: int, signs):
     """A GEMM operand for pallas_kernels.gemm: float32, Hadamard-transformed along ``axis``,
     not yet quantized (the kernel path quantizes it)."""
-    x = _materialize(x.astype(jnp.float32))
+    x = barrier(x.astype(jnp.float32))
     if gemm.hadamard:
-        x = _hadamard_along(x, axis % x.ndim, gemm.hadamard, signs)
+        x = hadamard_along(x, axis % x.ndim, gemm.hadamard, signs)
     return x
 
 

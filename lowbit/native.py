@@ -284,21 +284,29 @@ def active() -> bool:
 # The call
 
 
-def supports(plan) -> bool:
-    """Whether the kernel handles this quantization plan (``qarray._Plan``)."""
+def supports(plan, hadamard: int | None = None) -> bool:
+    """Whether the kernel handles this quantization plan (``qarray.Plan``), with a fused
+    Hadamard transform of block ``hadamard`` along the plan's axis when that is not None."""
+    if hadamard is not None:
+        return False
     if len(plan.axes) != 1 or len(plan.block_shape) != 1:
         return False
     n = int(np.prod(plan.padded_shape, dtype=np.int64))
     return 0 < n and not (plan.stochastic and n >= 2**32)
 
 
-def fake_quantize(x: jax.Array, key, tensor_amax, plan, xla_fn) -> jax.Array:
+def fake_quantize(x: jax.Array, key, tensor_amax, plan, xla_fn, *, hadamard=None,
+                  signs=None) -> jax.Array:
     """``xla_fn(x)`` on every platform but CPU, where the kernel computes the same values.
 
-    ``x`` is the caller's array (any float dtype), ``plan`` a ``qarray._Plan`` for which
+    ``x`` is the caller's array (any float dtype), ``plan`` a ``qarray.Plan`` for which
     :func:`supports` holds, ``key`` uint32[2] key data (stochastic plans), ``tensor_amax``
-    NVFP4's calibrated amax or None.
+    NVFP4's calibrated amax or None. ``hadamard`` (a block size) and ``signs`` (float32
+    ``[hadamard]`` of +-1, or None): transform along the plan's axis first, as
+    ``lowbit.hadamard.hadamard_transform(..., method="butterfly")`` does, bit for bit.
     """
+    if hadamard is not None:
+        raise NotImplementedError("the fused Hadamard transform")
     return jax.lax.platform_dependent(
         x,
         cpu=lambda x: _call(x, key, tensor_amax, plan),

@@ -23,6 +23,8 @@ __all__ = [
     "exponent",
     "round_to_grid",
     "uniform_bits",
+    "hash_constants",
+    "hashed_bits",
     "key_words",
 ]
 
@@ -131,26 +133,43 @@ def fmix32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
+def hash_constants(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The two uint32 per-key constants ``(ka, kb)`` of :func:`uniform_bits`.
+
+    Both key words are hashed into them first, so that keys differing in one word
+    (``jax.random.key(s)`` is ``[0, s]``) give unrelated streams, not shuffled copies. Kernels
+    compute them once per call and hash indices with :func:`hashed_bits`.
+    """
+    k0, k1 = key_words(key)
+    ka = fmix32(k1 ^ fmix32(k0 + jnp.uint32(0x7F4A7C15)))
+    kb = fmix32(ka ^ jnp.uint32(0x2545F491))
+    return ka, kb
+
+
+def hashed_bits(idx: jax.Array, ka: jax.Array, kb: jax.Array) -> jax.Array:
+    """uint32 random bits of flat element indices ``idx`` (uint32) under constants ``ka, kb``.
+
+    ``(idx ^ ka) * odd + kb`` is a bijection of the index for each key, and fmix32 is a
+    bijection with full avalanche: one round per element is enough for rounding decisions.
+    """
+    return fmix32((idx ^ ka) * jnp.uint32(0x9E3779B9) + kb)
+
+
 def uniform_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Counter-based uint32 random bits: a keyed hash of each element's flat index.
 
     Far cheaper than ``jax.random.bits`` on CPU (no threefry), and fused by XLA into the
     consumer. Quality is tested in tests/test_numerics.py (uniformity, key independence).
+    Element ``i`` (row-major flat index) gets ``hashed_bits(i, *hash_constants(key))``.
     """
-    k0, k1 = key_words(key)
-    # Hash both key words into the two per-call constants first, so that keys differing in
-    # one word (jax.random.key(s) is [0, s]) give unrelated streams, not shuffled copies.
-    ka = fmix32(k1 ^ fmix32(k0 + jnp.uint32(0x7F4A7C15)))
-    kb = fmix32(ka ^ jnp.uint32(0x2545F491))
+    ka, kb = hash_constants(key)
     n = 1
     for d in shape:
         n *= d
     if n >= 2**32:
         raise ValueError(f"stochastic rounding supports fewer than 2**32 elements, got {n}")
     idx = lax.iota(jnp.uint32, n).reshape(shape) if shape else jnp.uint32(0)
-    # (idx ^ ka) * odd + kb is a bijection of the index for each key, and fmix32 is a
-    # bijection with full avalanche: one round per element is enough for rounding decisions.
-    return fmix32((idx ^ ka) * jnp.uint32(0x9E3779B9) + kb)
+    return hashed_bits(idx, ka, kb)
 
 
 def round_to_grid(

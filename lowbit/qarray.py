@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from lowbit import formats as _formats
+from lowbit import hadamard as _hadamard
 from lowbit import native as _native
 from lowbit.formats import E4M3, BlockFormat, ElementFormat
 from lowbit.numerics import (
@@ -50,6 +51,16 @@ __all__ = [
     "decode_elements",
     "SCALE_MODES",
     "ROUNDINGS",
+    # Shared internals (used by lowbit's operand quantization, the compiled CPU kernel and
+    # the Pallas kernels; not re-exported by ``lowbit``):
+    "Plan",
+    "make_plan",
+    "quantize_with_plan",
+    "fake_quantize_with_plan",
+    "ungain",
+    "mx_scale_exponent",
+    "nvfp4_tensor_scale",
+    "NVFP4_TENSOR_DIVISOR",
 ]
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
@@ -209,7 +220,7 @@ def _unpack(packed: jax.Array, elem: ElementFormat) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class Plan:
     """Static description of how a tensor is blocked."""
 
     fmt: BlockFormat
@@ -294,9 +305,9 @@ def _check_input(x, name: str = "x") -> jax.Array:
     return x
 
 
-def _make_plan(
+def make_plan(
     shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax, gain: float = 1.0
-) -> _Plan:
+) -> Plan:
     fmt = _formats.get(fmt)
     ndim = len(shape)
     if block_shape is None:
@@ -347,19 +358,19 @@ def _make_plan(
             raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
     other = tuple(i for i in range(ndim) if i not in axes)
     padded = tuple(-(-shape[a] // b) * b for a, b in zip(axes, block_shape, strict=True))
-    return _Plan(fmt, tuple(shape), axes, block_shape, other + axes, padded, scale_mode,
+    return Plan(fmt, tuple(shape), axes, block_shape, other + axes, padded, scale_mode,
                  stochastic, float(gain))
 
 
-def _to_blocks(x: jax.Array, plan: _Plan) -> jax.Array:
-    """``x`` -> float32 in :attr:`_Plan.blocked_shape` (zero-padded, blocks in place)."""
+def _to_blocks(x: jax.Array, plan: Plan) -> jax.Array:
+    """``x`` -> float32 in :attr:`Plan.blocked_shape` (zero-padded, blocks in place)."""
     x = x.astype(jnp.float32)
     if plan.padded_shape != x.shape:
         x = jnp.pad(x, [(0, p - d) for p, d in zip(plan.padded_shape, x.shape, strict=True)])
     return x.reshape(plan.blocked_shape)
 
 
-def _from_blocks(y: jax.Array, plan: _Plan) -> jax.Array:
+def _from_blocks(y: jax.Array, plan: Plan) -> jax.Array:
     """Inverse of :func:`_to_blocks` (drops the padding)."""
     y = y.reshape(plan.padded_shape)
     if plan.padded_shape != plan.shape:
@@ -367,13 +378,13 @@ def _from_blocks(y: jax.Array, plan: _Plan) -> jax.Array:
     return y
 
 
-def _to_storage(a: jax.Array, plan: _Plan) -> jax.Array:
+def _to_storage(a: jax.Array, plan: Plan) -> jax.Array:
     """Codes or scales from the tensor's axis order to the storage order (quantized axes
     last, in block order)."""
     return jnp.transpose(a, plan.perm) if plan.moves_axes else a
 
 
-def _from_storage(a: jax.Array, plan: _Plan) -> jax.Array:
+def _from_storage(a: jax.Array, plan: Plan) -> jax.Array:
     return jnp.transpose(a, np.argsort(plan.perm)) if plan.moves_axes else a
 
 
@@ -381,7 +392,7 @@ def _from_storage(a: jax.Array, plan: _Plan) -> jax.Array:
 # Scales
 
 
-def _mx_scale_exponent(amax: jax.Array, elem: ElementFormat, mode: str) -> jax.Array:
+def mx_scale_exponent(amax: jax.Array, elem: ElementFormat, mode: str) -> jax.Array:
     """Shared exponent (int32, clamped to [-127, 127]) of MX blocks with absolute max amax."""
     bits = lax.bitcast_convert_type(amax, jnp.int32)
     mant = bits & 0x7FFFFF
@@ -398,7 +409,7 @@ def _mx_scale_exponent(amax: jax.Array, elem: ElementFormat, mode: str) -> jax.A
     elif mode == "rceil":  # smallest e with elem.max * 2**e >= amax
         m_bits = int(np.float32(elem.max).view(np.int32))
         e = exponent(amax) - elem.emax + (mant > (m_bits & 0x7FFFFF)).astype(jnp.int32)
-    else:  # pragma: no cover - checked in _make_plan
+    else:  # pragma: no cover - checked in make_plan
         raise ValueError(mode)
     # amax == 0 (and float32 subnormals, flushed on CPU) -> the smallest scale, 2**-127.
     e = jnp.where(amax > 0, e, -127)
@@ -420,7 +431,7 @@ class _Quantized:
 _INF_BITS = 0x7F800000
 
 
-def _amax_bits(xb: jax.Array, plan: _Plan, finite_only: bool = False) -> jax.Array:
+def _amax_bits(xb: jax.Array, plan: Plan, finite_only: bool = False) -> jax.Array:
     """Block max of ``|x|`` as int32 bit patterns (keepdims).
 
     For non-negative floats the integer order is the float order, with +Inf above every
@@ -443,7 +454,7 @@ def _amax_bits(xb: jax.Array, plan: _Plan, finite_only: bool = False) -> jax.Arr
     return jnp.max(bits, axis=axes, keepdims=True)
 
 
-def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Quantized:
+def _quantize_blocks(xb, plan: Plan, key, tensor_amax, want_clip: bool) -> _Quantized:
     fmt, elem = plan.fmt, plan.fmt.elem
     amax_bits = _amax_bits(xb, plan)
     amax = lax.bitcast_convert_type(amax_bits, jnp.float32)
@@ -451,7 +462,7 @@ def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Qua
     rbits = uniform_bits(key, xb.shape) if plan.stochastic else None
 
     if fmt.is_mx:
-        e = _mx_scale_exponent(amax, elem, plan.scale_mode)
+        e = mx_scale_exponent(amax, elem, plan.scale_mode)
         code = jnp.where(finite, (e + 127).astype(jnp.uint8), jnp.uint8(E8M0_NAN))
         # Per-block multipliers, computed once per block (the barrier keeps XLA from
         # recomputing them for every element): x * 2**-e and q * 2**e, each as two exact
@@ -473,7 +484,7 @@ def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Qua
         q = round_to_grid(v, elem, rbits=rbits, saturate=True)
 
         def mul(elems, hi=mul_hi, lo=mul_lo):
-            return _ungain((elems * hi) * lo, plan.gain)
+            return ungain((elems * hi) * lo, plan.gain)
 
         return _Quantized(q, code, mul, finite, clipped)
 
@@ -490,7 +501,7 @@ def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Qua
         tamax = lax.bitcast_convert_type(tamax_bits, jnp.float32)
     else:
         tamax = jnp.asarray(tensor_amax, jnp.float32)
-    t = ieee_div(tamax, np.float32(NVFP4_TENSOR_DIVISOR))
+    t = nvfp4_tensor_scale(tamax)
     s_raw = jnp.minimum(ieee_div(ieee_div(amax, np.float32(elem.max)), t),
                         np.float32(E4M3.max))
     s = round_to_grid(jnp.where(t > 0, s_raw, 0.0), E4M3)
@@ -509,17 +520,23 @@ def _quantize_blocks(xb, plan: _Plan, key, tensor_amax, want_clip: bool) -> _Qua
     s_or_nan = jnp.where(finite, s, np.float32(np.nan))
 
     def mul(elems, s=s_or_nan, t=t):
-        return _ungain((elems * s) * t, plan.gain)
+        return ungain((elems * s) * t, plan.gain)
 
     return _Quantized(q, code, mul, finite, clipped, tensor_scale=t)
 
 
-def _ungain(y: jax.Array, gain: float) -> jax.Array:
-    """Undo an element gain (see ``_Plan.gain``) on dequantized values."""
+def nvfp4_tensor_scale(tensor_amax: jax.Array) -> jax.Array:
+    """NVFP4's float32 tensor scale ``t = amax / (448 * 6)``, correctly rounded (an IEEE
+    division XLA cannot rewrite into a multiplication by a rounded reciprocal)."""
+    return ieee_div(jnp.asarray(tensor_amax, jnp.float32), np.float32(NVFP4_TENSOR_DIVISOR))
+
+
+def ungain(y: jax.Array, gain: float) -> jax.Array:
+    """Undo an element gain (see ``Plan.gain``) on dequantized values."""
     return y if gain == 1.0 else ieee_div(y, np.float32(gain))
 
 
-def _squeeze_blocks(a: jax.Array, plan: _Plan) -> jax.Array:
+def _squeeze_blocks(a: jax.Array, plan: Plan) -> jax.Array:
     return jnp.squeeze(a, axis=plan.block_axes)
 
 
@@ -558,11 +575,11 @@ def quantize(
     [0.0, -0.0, 8.0, 96.0]
     """
     x = _check_input(x)
-    plan = _make_plan(x.shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax)
-    return _quantize_with_plan(x, plan, key, tensor_amax)
+    plan = make_plan(x.shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax)
+    return quantize_with_plan(x, plan, key, tensor_amax)
 
 
-def _quantize_with_plan(x, plan: _Plan, key, tensor_amax) -> QArray:
+def quantize_with_plan(x, plan: Plan, key, tensor_amax) -> QArray:
     """:func:`quantize` for a checked plan. With ``plan.gain != 1`` the codes hold the
     elements of ``x * gain`` (scale chosen from ``x``); divide dequantized values by it."""
     qz = _quantize_blocks(_to_blocks(x, plan), plan, key, tensor_amax, want_clip=False)
@@ -592,7 +609,7 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
         raise TypeError(f"q must be a QArray, got {type(q).__name__}")
     fmt = q.format
     elem = fmt.elem
-    plan = _make_plan(q.shape, fmt, q.axes, q.block_shape, None, "nearest", None, None)
+    plan = make_plan(q.shape, fmt, q.axes, q.block_shape, None, "nearest", None, None)
     codes = _from_storage(_unpack(q.codes, elem), plan).reshape(plan.blocked_shape)
     elems = decode_elements(codes, elem)
     scales = jnp.expand_dims(_from_storage(q.scales, plan), plan.block_axes)
@@ -607,17 +624,51 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
     return _from_blocks(y, plan).astype(q.dtype if dtype is None else dtype)
 
 
-def _fake_quantize_impl(x, key, tensor_amax, plan: _Plan, want_clip: bool):
-    if not want_clip and _native.supports(plan) and _native.active():
-        # On CPU, the compiled one-pass kernel (bit-identical; see lowbit/native.py).
+def fake_quantize_with_plan(
+    x,
+    key,
+    tensor_amax,
+    plan: Plan,
+    want_clip: bool = False,
+    *,
+    hadamard: int | None = None,
+    signs: jax.Array | None = None,
+    native: bool = True,
+):
+    """Fake-quantized ``x`` per a checked ``plan``, and (``want_clip``) where it saturated.
+
+    With ``hadamard=b`` (a 1-D plan only), ``x`` is first transformed along the plan's axis by
+    ``lowbit.hadamard.hadamard_transform(x, b, signs=signs)`` and the result, in the rotated
+    basis, is quantized. ``native`` allows the compiled CPU kernel (``lowbit.native``) where it
+    applies and is active: it computes the XLA path's values bit for bit, except that its
+    fused Hadamard follows the butterfly's fixed arithmetic (``method="butterfly"``), which
+    the XLA path's default dense form matches to float32 rounding. Returns ``(y, clipped)``
+    (``clipped`` None unless asked for).
+    """
+    if hadamard is not None and len(plan.axes) != 1:
+        raise ValueError(
+            f"a Hadamard transform before quantization needs 1-D blocks, got block_shape "
+            f"{plan.block_shape} over axes {plan.axes}"
+        )
+
+    def rotate(x, method=None):
+        if hadamard is None:
+            return x
+        return _hadamard.hadamard_transform(x, hadamard, signs=signs, axis=plan.axes[0],
+                                            method=method)
+
+    if native and not want_clip and _native.supports(plan, hadamard) and _native.active():
+        # On CPU, the compiled one-pass kernel (see lowbit/native.py).
         def xla(x):
-            return _fake_quantize_impl_xla(x, key, tensor_amax, plan, False)[0]
+            return fake_quantize_with_plan_xla(rotate(x), key, tensor_amax, plan, False)[0]
 
-        return _native.fake_quantize(x, key, tensor_amax, plan, xla), None
-    return _fake_quantize_impl_xla(x, key, tensor_amax, plan, want_clip)
+        y = _native.fake_quantize(x, key, tensor_amax, plan, xla, hadamard=hadamard,
+                                  signs=signs)
+        return y, None
+    return fake_quantize_with_plan_xla(rotate(x), key, tensor_amax, plan, want_clip)
 
 
-def _fake_quantize_impl_xla(x, key, tensor_amax, plan: _Plan, want_clip: bool):
+def fake_quantize_with_plan_xla(x, key, tensor_amax, plan: Plan, want_clip: bool):
     qz = _quantize_blocks(_to_blocks(x, plan), plan, key, tensor_amax, want_clip)
     y = _from_blocks(qz.mul(qz.elems), plan).astype(x.dtype)
     if not want_clip:
@@ -626,15 +677,15 @@ def _fake_quantize_impl_xla(x, key, tensor_amax, plan: _Plan, want_clip: bool):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
-def _fake_quantize_ste(x, key, tensor_amax, plan: _Plan, clip_grad: bool):
-    return _fake_quantize_impl(x, key, tensor_amax, plan, False)[0]
+def _fake_quantize_ste(x, key, tensor_amax, plan: Plan, clip_grad: bool):
+    return fake_quantize_with_plan(x, key, tensor_amax, plan, False)[0]
 
 
 @_fake_quantize_ste.defjvp
 def _fake_quantize_ste_jvp(plan, clip_grad, primals, tangents):
     x, key, tensor_amax = primals
     dx = tangents[0]
-    y, clipped = _fake_quantize_impl(x, key, tensor_amax, plan, clip_grad)
+    y, clipped = fake_quantize_with_plan(x, key, tensor_amax, plan, clip_grad)
     if clip_grad:
         dx = jnp.where(clipped, jnp.zeros_like(dx), dx)
     return y, dx
@@ -664,7 +715,7 @@ def fake_quantize(
     True
     """
     x = _check_input(x)
-    plan = _make_plan(x.shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax)
+    plan = make_plan(x.shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax)
     if key is not None and jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)
     return _fake_quantize_ste(x, key, tensor_amax, plan, bool(clip_gradient))

@@ -154,7 +154,7 @@ def decode(c: jax.Array, elem: ElementFormat) -> jax.Array:
 
 
 def mx_scale_exponent(amax_bits: jax.Array, elem: ElementFormat, mode: str) -> jax.Array:
-    """``lowbit.qarray._mx_scale_exponent`` from the int32 bit pattern of the block amax."""
+    """``lowbit.qarray.mx_scale_exponent`` from the int32 bit pattern of the block amax."""
     bits = amax_bits
     amax = lax.bitcast_convert_type(bits, jnp.float32)
     mant = bits & 0x7FFFFF

@@ -53,7 +53,7 @@ import numpy as np
 from jax import lax
 
 from lowbit import formats as _formats
-from lowbit.dot_general import quantize_operand
+from lowbit.operand import quantize_operand
 from lowbit.recipes import QuantSpec
 from pallas_kernels._common import is_pow2
 from pallas_kernels.block_scaled_matmul import get_default as _matmul_default

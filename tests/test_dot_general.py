@@ -45,8 +45,10 @@ from jax.sharding import PartitionSpec as P
 
 import lowbit as lb
 from lowbit import recipes
-from lowbit.dot_general import _fold, _signs, quantize_operand
 from lowbit.hadamard import hadamard_transform
+from lowbit.operand import fold_key as _fold
+from lowbit.operand import gemm_signs as _signs
+from lowbit.operand import quantize_operand
 from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 
 U32 = 2.0**-24  # float32 unit roundoff

@@ -155,8 +155,8 @@ def test_element_gain_matches(fmt, rounding):
     """Recipes scale elements by 3/4 before rounding (and divide after): plan.gain."""
     x = jnp.asarray(hard_values((8, 96), seed=5))
     key = None if rounding == "nearest" else jax.random.key_data(jax.random.key(2))
-    plan = _qa._make_plan(x.shape, fmt, -1, None, None, rounding, key, None, gain=0.75)
-    want, got = both(lambda x: _qa._fake_quantize_impl(x, key, None, plan, False)[0], x)
+    plan = _qa.make_plan(x.shape, fmt, -1, None, None, rounding, key, None, gain=0.75)
+    want, got = both(lambda x: _qa.fake_quantize_with_plan(x, key, None, plan, False)[0], x)
     assert_identical(want, got)
 
 
@@ -454,7 +454,7 @@ def test_a_compile_error_is_reported_with_the_compiler_output(monkeypatch, tmp_p
 
 
 def test_supports_only_one_dimensional_blocks():
-    plan = _qa._make_plan((32, 32), "mxfp4", -1, None, None, "nearest", None, None)
+    plan = _qa.make_plan((32, 32), "mxfp4", -1, None, None, "nearest", None, None)
     assert native.supports(plan)
-    tile = _qa._make_plan((32, 32), "mxfp4", (0, 1), (16, 16), None, "nearest", None, None)
+    tile = _qa.make_plan((32, 32), "mxfp4", (0, 1), (16, 16), None, "nearest", None, None)
     assert not native.supports(tile)

@@ -24,7 +24,7 @@ import pytest
 from jax import lax
 
 import lowbit as lb
-from lowbit.dot_general import quantize_operand
+from lowbit.operand import quantize_operand
 from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 from pallas_kernels._common import TRITON_CUSTOM_CALL_TARGETS, export_for_cuda, on_gpu
 from pallas_kernels.gemm import kernel_supports, quantized_gemm, quantized_gemm_reference
@@ -134,7 +134,7 @@ def test_cpu_eager_is_the_eager_emulation():
 def test_keys_are_the_ones_dot_general_passes():
     """The forward GEMM of lowbit.dot_general (no Hadamard) is quantized_gemm with the keys
     dot_general derives for its two operands."""
-    from lowbit.dot_general import _fold
+    from lowbit.operand import fold_key as _fold
 
     spec = SR4
     recipe = Recipe("gemm_test", fwd=GemmSpec(spec, QuantSpec("nvfp4", rounding="stochastic")))

@@ -353,7 +353,7 @@ def pack_weight(w: jax.Array, spec: QuantSpec, layout: Layout) -> lb.QArray:
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _pack_weight(w, spec: QuantSpec, axis: int, other_axis: int | None) -> lb.QArray:
     # One compiled computation per (shape, spec) rather than op by op.
-    from lowbit.dot_general import quantize_operand
+    from lowbit.operand import quantize_operand
 
     return quantize_operand(w, spec, axis, other_axis, None, packed=True)
 
