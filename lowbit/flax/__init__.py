@@ -18,6 +18,10 @@ Keys: stochastic rounding and random Hadamard signs draw from an rng stream name
 (Linen: ``apply(..., rngs={"quant": key})``; NNX: ``quantize(model, rules,
 rngs=nnx.Rngs(quant=seed))``). Recipes that need no key need no stream.
 
+Implementations: ``quantize(..., implementation="xla" | "pallas" | None)`` reaches every
+:func:`lowbit.dot_general` / :func:`lowbit.einsum` call of the quantized sites (the op modules
+hold it as a static attribute); :func:`describe` shows it per site.
+
 >>> import jax, jax.numpy as jnp, lowbit.flax as lbf
 >>> from flax import nnx
 >>> model = nnx.Sequential(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), nnx.relu,
@@ -32,7 +36,17 @@ rngs=nnx.Rngs(quant=seed))``). Recipes that need no key need no stream.
 from __future__ import annotations
 
 from lowbit.flax import checkpoint, linen, nnx
-from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Layout, Rule, Rules, Site
+from lowbit.flax._core import (
+    ATTN_SCORES,
+    ATTN_VALUES,
+    IMPLEMENTATIONS,
+    Layout,
+    Rule,
+    Rules,
+    Site,
+    check_implementation,
+    framework,
+)
 from lowbit.flax.checkpoint import CheckpointError, restore, save
 from lowbit.flax.packing import Row, describe, pack, packed_nbytes, sites, unpack
 
@@ -53,13 +67,22 @@ __all__ = [
     "CheckpointError",
     "ATTN_SCORES",
     "ATTN_VALUES",
+    "IMPLEMENTATIONS",
     "linen",
     "nnx",
     "checkpoint",
 ]
 
 
-def quantize(model, rules, *, rngs=None, packed: bool = False, method: str = "__call__"):
+def quantize(
+    model,
+    rules,
+    *,
+    rngs=None,
+    packed: bool = False,
+    method: str = "__call__",
+    implementation: str | None = None,
+):
     """Apply ``rules`` to a Linen module or an NNX model whose code knows nothing of lowbit.
 
     Args:
@@ -72,6 +95,10 @@ def quantize(model, rules, *, rngs=None, packed: bool = False, method: str = "__
         without being quantized again. Linen: the returned module's ``apply`` takes the packed
         params directly. NNX: use :class:`lowbit.flax.nnx.PackedModel` instead.
       method: Linen only: the method ``__call__`` of the returned module runs.
+      implementation: what every quantized GEMM runs, passed on to each
+        :func:`lowbit.dot_general` / :func:`lowbit.einsum` call: ``"xla"`` (the emulation,
+        the reference), ``"pallas"`` (the Pallas kernels when lowered for CUDA, the emulation
+        elsewhere) or None (the best available for the backend).
 
     Returns:
       Linen: a :class:`lowbit.flax.linen.Quantized` module with the same parameter tree
@@ -86,13 +113,13 @@ def quantize(model, rules, *, rngs=None, packed: bool = False, method: str = "__
     >>> jax.jit(qmodel.apply)(variables, x, rngs={"quant": jax.random.key(1)}).shape
     (4, 8)
     """
-    from lowbit.flax.packing import _framework
-
-    if _framework(model) == "nnx":
-        return nnx.quantize(model, rules, rngs=rngs, packed=packed)
+    fw = framework(model)
+    check_implementation(implementation)
+    if fw == "nnx":
+        return nnx.quantize(model, rules, rngs=rngs, packed=packed, implementation=implementation)
     if rngs is not None:
         raise TypeError(
             "rngs= is for NNX models; a Linen module takes its keys from "
             "apply(..., rngs={'quant': key})"
         )
-    return linen.quantize(model, rules, packed=packed, method=method)
+    return linen.quantize(model, rules, packed=packed, method=method, implementation=implementation)

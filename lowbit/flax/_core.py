@@ -28,6 +28,51 @@ from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 ATTN_SCORES = "attn_scores"
 ATTN_VALUES = "attn_values"
 QUANT_STREAM = "quant"
+IMPLEMENTATIONS = (None, "xla", "pallas")
+
+
+# --------------------------------------------------------------------------------------------
+# Frameworks and implementations
+
+
+def framework(model) -> str:
+    """``"nnx"`` or ``"linen"``: which Flax API ``model`` is a module of."""
+    import flax.linen as nn
+    from flax import nnx
+
+    if isinstance(model, nnx.Module):
+        return "nnx"
+    if isinstance(model, nn.Module):
+        return "linen"
+    raise TypeError(
+        f"expected a flax.linen Module or a flax.nnx Module, got {type(model).__name__}"
+    )
+
+
+def check_implementation(implementation, name: str = "implementation") -> str | None:
+    """``implementation`` if it is one of :data:`IMPLEMENTATIONS` (what
+    :func:`lowbit.dot_general` runs), else a ValueError naming the argument.
+
+    >>> check_implementation("pallas")
+    'pallas'
+    >>> check_implementation("cuda")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: implementation must be one of (None, 'xla', 'pallas') (...), got 'cuda'
+    """
+    if implementation is not None and not (
+        isinstance(implementation, str) and implementation in IMPLEMENTATIONS
+    ):
+        raise ValueError(
+            f"{name} must be one of {IMPLEMENTATIONS} (None: the best available for the "
+            f"backend), got {implementation!r}"
+        )
+    return implementation
+
+
+def implementation_kwargs(implementation: str | None) -> dict[str, str]:
+    """The keyword arguments that pass ``implementation`` on to :func:`lowbit.dot_general`:
+    none for None, so that its own default (the best for the backend) applies."""
+    return {} if implementation is None else {"implementation": implementation}
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,8 +213,10 @@ def qdot_general(
     precision=None,
     preferred_element_type=None,
     out_sharding=None,
+    implementation: str | None = None,
 ):
-    """:func:`lowbit.dot_general` with Flax's keyword arguments (``out_sharding``)."""
+    """:func:`lowbit.dot_general` with Flax's keyword arguments (``out_sharding``) and the
+    ``implementation`` of its GEMMs."""
     if recipe.name.endswith(SERVING_SUFFIX) and recipe.is_identity:
         # A pre-quantized weight and a float activation: the GEMM lowbit would run.
         out = jnp.dtype(
@@ -189,6 +236,7 @@ def qdot_general(
             key=key,
             preferred_element_type=preferred_element_type,
             precision=precision,
+            **implementation_kwargs(implementation),
         )
     if out_sharding is not None:
         y = jax.lax.with_sharding_constraint(y, out_sharding)
@@ -236,13 +284,20 @@ def qeinsum(
     precision=None,
     preferred_element_type=None,
     out_sharding=None,
+    implementation: str | None = None,
     **unused,
 ):
     """:func:`lowbit.einsum` for Flax call sites (``...`` allowed, Flax's keyword arguments)."""
     del precision, unused  # quantized GEMMs accumulate in float32
     eq = expand_ellipsis(subscripts, lhs.ndim, rhs.ndim)
     y = lb.einsum(
-        eq, lhs, rhs, recipe=recipe, key=key, preferred_element_type=preferred_element_type
+        eq,
+        lhs,
+        rhs,
+        recipe=recipe,
+        key=key,
+        preferred_element_type=preferred_element_type,
+        **implementation_kwargs(implementation),
     )
     if out_sharding is not None:
         y = jax.lax.with_sharding_constraint(y, out_sharding)
@@ -300,6 +355,7 @@ class Site:
     shape: tuple[int, ...] | None = None
     dtype: Any = None
     layout: Layout | None = None
+    implementation: str | None = None  # what its GEMMs run (None: the backend's best)
 
 
 SERVING_SUFFIX = "@packed"

@@ -84,9 +84,11 @@ class DotGeneral:
 
     recipe: Recipe | str
     site: str | None = None  # the site's path, for the layout recorder
+    implementation: str | None = None  # passed on to lowbit.dot_general
 
     def __post_init__(self):
         object.__setattr__(self, "recipe", _recipes.get(self.recipe))
+        _core.check_implementation(self.implementation)
 
     def __call__(
         self,
@@ -109,6 +111,7 @@ class DotGeneral:
             precision=precision,
             preferred_element_type=preferred_element_type,
             out_sharding=out_sharding,
+            implementation=self.implementation,
         )
 
 
@@ -131,9 +134,11 @@ class Einsum:
 
     recipe: Recipe | str
     site: str | None = None
+    implementation: str | None = None  # passed on to lowbit.einsum
 
     def __post_init__(self):
         object.__setattr__(self, "recipe", _recipes.get(self.recipe))
+        _core.check_implementation(self.implementation)
 
     def __call__(self, subscripts, lhs, rhs, precision=None, preferred_element_type=None, **kwargs):
         rec = _RECORDER.get()
@@ -147,6 +152,7 @@ class Einsum:
             _key(self.recipe),
             precision=precision,
             preferred_element_type=preferred_element_type,
+            implementation=self.implementation,
             **kwargs,
         )
 
@@ -208,6 +214,7 @@ class _Interceptor:
     rules: Rules
     packed: bool
     root: tuple[str, ...] = ()
+    implementation: str | None = None
 
     def recipe(self, path: str, weight: bool = True) -> Recipe | None:
         """The recipe a site runs: the rule's, or with ``packed`` for a weight site, its
@@ -237,12 +244,14 @@ class _Interceptor:
             r = self.recipe(path)
             if r is None or context.method_name != "__call__":
                 return next_fun(*args, **kwargs)
-            return _einsum_call(m, Einsum(r, site=path), *args, **kwargs)
+            op = Einsum(r, site=path, implementation=self.implementation)
+            return _einsum_call(m, op, *args, **kwargs)
         if "dot_general" in fields or "dot_general_cls" in fields:
             r = self.recipe(path)
             if r is None:
                 return next_fun(*args, **kwargs)
-            values: dict[str, Any] = {"dot_general": DotGeneral(r, site=path)}
+            op = DotGeneral(r, site=path, implementation=self.implementation)
+            values: dict[str, Any] = {"dot_general": op}
             if "dot_general_cls" in fields:
                 values["dot_general_cls"] = None
             with _override(m, **values):
@@ -260,10 +269,14 @@ class _Interceptor:
                     "but its attention_fn takes no qk_attn_weights_einsum / "
                     "attn_weights_value_einsum arguments to inject them into"
                 )
-            none = _recipes.get("none")
+            none, impl = _recipes.get("none"), self.implementation
             values = {
-                "qk_attn_weights_einsum_cls": functools.partial(Einsum, rs or none, site=ps),
-                "attn_weights_value_einsum_cls": functools.partial(Einsum, rv or none, site=pv),
+                "qk_attn_weights_einsum_cls": functools.partial(
+                    Einsum, rs or none, site=ps, implementation=impl
+                ),
+                "attn_weights_value_einsum_cls": functools.partial(
+                    Einsum, rv or none, site=pv, implementation=impl
+                ),
             }
             with _override(m, **values):
                 return next_fun(*args, **kwargs)
@@ -271,11 +284,18 @@ class _Interceptor:
 
 
 @contextlib.contextmanager
-def intercept(rules, *, packed: bool = False, root: tuple[str, ...] = ()):
+def intercept(
+    rules,
+    *,
+    packed: bool = False,
+    root: tuple[str, ...] = (),
+    implementation: str | None = None,
+):
     """Quantize, per ``rules``, every Linen module called inside this context.
 
     Paths are module paths relative to ``root`` joined by ``/`` (``"mlp/Dense_0"``); see
-    :func:`lowbit.flax.quantize`. Prefer :func:`quantize`, which returns a Module.
+    :func:`lowbit.flax.quantize` (also for ``implementation``). Prefer :func:`quantize`,
+    which returns a Module.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn, lowbit.flax as lbf
     >>> model = nn.Dense(8)
@@ -286,7 +306,8 @@ def intercept(rules, *, packed: bool = False, root: tuple[str, ...] = ()):
     >>> bool(jnp.all(y == model.apply(v, x)))
     False
     """
-    with nn.intercept_methods(_Interceptor(Rules.of(rules), packed, tuple(root))):
+    impl = _core.check_implementation(implementation)
+    with nn.intercept_methods(_Interceptor(Rules.of(rules), packed, tuple(root), impl)):
         yield
 
 
@@ -297,6 +318,7 @@ class Quantized(nn.Module):
     (:func:`lowbit.flax.pack`): they are dequantized inside the computation (XLA) and the
     activations quantized as the rule's recipe says; weights are not quantized again.
     ``method``: the name of the wrapped module's method that ``__call__`` runs.
+    ``implementation``: what the quantized GEMMs run (see :func:`lowbit.flax.quantize`).
 
     Built inside a parent's compact method, the wrapper is a new submodule of the parent
     (auto-named ``Quantized_0`` unless given ``name=``) holding the module's parameters;
@@ -307,12 +329,17 @@ class Quantized(nn.Module):
     rules: Rules
     packed: bool = False
     method: str = "__call__"
+    implementation: str | None = None
+
+    def __post_init__(self):
+        _core.check_implementation(self.implementation)
+        super().__post_init__()
 
     def setup(self):
         nn.share_scope(self, self.module)
 
     def __call__(self, *args, **kwargs):
-        interceptor = _Interceptor(self.rules, self.packed, tuple(self.path))
+        interceptor = _Interceptor(self.rules, self.packed, tuple(self.path), self.implementation)
 
         def run(mdl, *args, **kwargs):
             return getattr(mdl.module, mdl.method)(*args, **kwargs)
@@ -341,23 +368,36 @@ def _unpack_checked(tree):
 
 
 def quantize(
-    module: nn.Module, rules, *, packed: bool = False, method: str = "__call__"
+    module: nn.Module,
+    rules,
+    *,
+    packed: bool = False,
+    method: str = "__call__",
+    implementation: str | None = None,
 ) -> Quantized:
     """See :func:`lowbit.flax.quantize`."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a flax.linen Module, got {type(module).__name__}")
+    impl = _core.check_implementation(implementation)
     if module.scope is not None:
         module = module.clone(parent=None)
-    return Quantized(module, Rules.of(rules), packed=packed, method=method)
+    return Quantized(module, Rules.of(rules), packed=packed, method=method, implementation=impl)
 
 
 def sites(
-    module: nn.Module, rules, *args, method: str = "__call__", **kwargs
+    module: nn.Module,
+    rules,
+    *args,
+    method: str = "__call__",
+    implementation: str | None = None,
+    **kwargs,
 ) -> tuple[list[_core.Site], Any]:
     """Trace ``module`` on example inputs (shapes only: ``jax.eval_shape``) and return its
     quantizable sites and the abstract params. Sites no rule quantizes are listed too, with
-    recipe None, when they are Dense / DenseGeneral / Einsum / attention modules."""
+    recipe None, when they are Dense / DenseGeneral / Einsum / attention modules;
+    ``implementation`` is recorded on those a rule quantizes."""
     rules = Rules.of(rules)
+    _core.check_implementation(implementation)
     if not args and not kwargs:
         raise TypeError(
             "a Linen module creates its submodules when called: pass example inputs "
@@ -408,6 +448,7 @@ def sites(
                 tuple(shape) if shape is not None else None,
                 dtype,
                 layout,
+                implementation if rules.active(path) is not None else None,
             )
     return list(out.values()), params
 

@@ -66,8 +66,15 @@ class DotGeneral(nnx.Module):
     (4, 8)
     """
 
-    def __init__(self, recipe: Recipe | str, *, rngs: nnx.Rngs | None = None):
+    def __init__(
+        self,
+        recipe: Recipe | str,
+        *,
+        rngs: nnx.Rngs | None = None,
+        implementation: str | None = None,
+    ):
         self.recipe = _recipes.get(recipe)
+        self.implementation = _core.check_implementation(implementation)
         self.stream = nnx.data(_stream(rngs, (self.recipe,), f"DotGeneral({self.recipe.name!r})"))
 
     def __call__(
@@ -88,6 +95,7 @@ class DotGeneral(nnx.Module):
             precision=precision,
             preferred_element_type=preferred_element_type,
             out_sharding=out_sharding,
+            implementation=self.implementation,
         )
 
 
@@ -102,8 +110,15 @@ class Einsum(nnx.Module):
     (1, 4, 2, 8)
     """
 
-    def __init__(self, recipe: Recipe | str, *, rngs: nnx.Rngs | None = None):
+    def __init__(
+        self,
+        recipe: Recipe | str,
+        *,
+        rngs: nnx.Rngs | None = None,
+        implementation: str | None = None,
+    ):
         self.recipe = _recipes.get(recipe)
+        self.implementation = _core.check_implementation(implementation)
         self.stream = nnx.data(_stream(rngs, (self.recipe,), f"Einsum({self.recipe.name!r})"))
 
     def __call__(
@@ -117,6 +132,7 @@ class Einsum(nnx.Module):
             _draw(self.stream, self.recipe),
             preferred_element_type=preferred_element_type,
             out_sharding=out_sharding,
+            implementation=self.implementation,
         )
 
 
@@ -142,9 +158,11 @@ class Attention(nnx.Module):
         values: Recipe | str | None = None,
         *,
         rngs: nnx.Rngs | None = None,
+        implementation: str | None = None,
     ):
         self.scores = _recipes.get(scores)
         self.values = _recipes.get(values)
+        self.implementation = _core.check_implementation(implementation)
         where = f"Attention({self.scores.name!r}, {self.values.name!r})"
         self.stream = nnx.data(_stream(rngs, (self.scores, self.values), where))
 
@@ -187,8 +205,12 @@ class Attention(nnx.Module):
             dropout_rate=dropout_rate,
             deterministic=deterministic,
             dtype=dtype,
-            qk_attn_weights_einsum=functools.partial(_core.qeinsum, recipe=self.scores, key=ks),
-            attn_weights_value_einsum=functools.partial(_core.qeinsum, recipe=self.values, key=kv),
+            qk_attn_weights_einsum=functools.partial(
+                _core.qeinsum, recipe=self.scores, key=ks, implementation=self.implementation
+            ),
+            attn_weights_value_einsum=functools.partial(
+                _core.qeinsum, recipe=self.values, key=kv, implementation=self.implementation
+            ),
         )
 
 
@@ -220,9 +242,16 @@ def _layout(m, kernel_shape) -> _core.Layout | None:
     return None
 
 
-def sites(model: nnx.Module, rules) -> list[_core.Site]:
-    """The quantizable sites of an NNX model (no tracing: read from the module graph)."""
+def sites(model: nnx.Module, rules, *, implementation: str | None = None) -> list[_core.Site]:
+    """The quantizable sites of an NNX model (no tracing: read from the module graph);
+    ``implementation`` is recorded on the sites that a rule quantizes."""
     rules = Rules.of(rules)
+    _core.check_implementation(implementation)
+
+    def site(path, kind, name, *rest):
+        impl = implementation if rules.active(path) is not None else None
+        return _core.Site(path, kind, name, rules.match(path), *rest, implementation=impl)
+
     out = []
     for path, m in nnx.iter_modules(model):
         if isinstance(m, _OURS):
@@ -235,28 +264,33 @@ def sites(model: nnx.Module, rules) -> list[_core.Site]:
         dtype = kernel.dtype if kernel is not None else None
         if hasattr(m, "einsum_op"):
             layout = _layout(m, shape) if kernel is not None else None
-            out.append(_core.Site(p, "einsum", name, rules.match(p), kpath, shape, dtype, layout))
+            out.append(site(p, "einsum", name, kpath, shape, dtype, layout))
         elif hasattr(m, "dot_general"):
             layout = _layout(m, shape) if kernel is not None else None
-            out.append(
-                _core.Site(p, "dot_general", name, rules.match(p), kpath, shape, dtype, layout)
-            )
+            out.append(site(p, "dot_general", name, kpath, shape, dtype, layout))
         elif hasattr(m, "attention_fn"):
             for kind in (ATTN_SCORES, ATTN_VALUES):
                 sp = f"{p}/{kind}" if p else kind
-                out.append(_core.Site(sp, kind, name, rules.match(sp)))
+                out.append(site(sp, kind, name))
     return out
 
 
 def quantize(
-    model: nnx.Module, rules, *, rngs: nnx.Rngs | None = None, packed: bool = False
+    model: nnx.Module,
+    rules,
+    *,
+    rngs: nnx.Rngs | None = None,
+    packed: bool = False,
+    implementation: str | None = None,
 ) -> nnx.Module:
     """See :func:`lowbit.flax.quantize`. Returns a new model (``nnx.clone``: new Variables
-    sharing the arrays); ``model`` is left as it was.
+    sharing the arrays); ``model`` is left as it was. The ops it sets hold ``implementation``
+    (a static attribute: it is part of the graphdef).
 
     ``packed=True`` builds the serving structure :class:`PackedModel` uses: its weights must
     then be ``unpack(pack(...))``; with float weights they would enter unquantized."""
     rules = Rules.of(rules)
+    impl = _core.check_implementation(implementation)
     new = nnx.clone(model)
     plan: list[tuple[Any, str, Any]] = []
     for path, m in nnx.iter_modules(new):
@@ -274,10 +308,11 @@ def quantize(
                 if s.is_identity and r.fwd.rhs is None:
                     continue
                 r = s
+            rs_ = _rngs_for(rngs, r, where)
             if hasattr(m, "einsum_op"):
-                plan.append((m, "einsum_op", Einsum(r, rngs=_rngs_for(rngs, r, where))))
+                plan.append((m, "einsum_op", Einsum(r, rngs=rs_, implementation=impl)))
             else:
-                plan.append((m, "dot_general", DotGeneral(r, rngs=_rngs_for(rngs, r, where))))
+                plan.append((m, "dot_general", DotGeneral(r, rngs=rs_, implementation=impl)))
                 if getattr(m, "dot_general_cls", None) is not None:
                     plan.append((m, "dot_general_cls", None))
         elif hasattr(m, "attention_fn"):
@@ -289,7 +324,7 @@ def quantize(
             none = _recipes.get("none")
             rs, rv = rs or none, rv or none
             _stream(rngs, (rs, rv), where)
-            plan.append((m, "attention_fn", Attention(rs, rv, rngs=rngs)))
+            plan.append((m, "attention_fn", Attention(rs, rv, rngs=rngs, implementation=impl)))
     for m, attr, value in plan:
         setattr(m, attr, nnx.data(value) if isinstance(value, nnx.Module) else value)
     return new
@@ -313,7 +348,8 @@ class PackedModel(nnx.Module):
 
     ``model`` gives the structure (its float weights are dropped); ``packed`` is the output of
     :func:`lowbit.flax.pack` (default: pack ``model``'s own weights). ``method``: the method of
-    the model that ``__call__`` runs.
+    the model that ``__call__`` runs. ``implementation``: what the serving GEMMs run (as for
+    :func:`lowbit.flax.quantize`).
 
     >>> import jax.numpy as jnp, lowbit.flax as lbf
     >>> from flax import nnx
@@ -334,13 +370,15 @@ class PackedModel(nnx.Module):
         *,
         method: str = "__call__",
         rngs: nnx.Rngs | None = None,
+        implementation: str | None = None,
     ):
         from lowbit.flax.packing import pack
 
         rules = Rules.of(rules)
+        _core.check_implementation(implementation)
         if packed is None:
             packed = pack(model, rules)
-        serving = quantize(model, rules, rngs=rngs, packed=True)
+        serving = quantize(model, rules, rngs=rngs, packed=True, implementation=implementation)
         graphdef, _, rest = nnx.split(serving, nnx.Param, ...)
         self.graphdef = graphdef
         self.method = method

@@ -15,23 +15,12 @@ from lowbit.flax import _core
 from lowbit.flax._core import Layout, Rules, Site
 
 
-def _framework(model) -> str:
-    import flax.linen as nn
-    from flax import nnx
-
-    if isinstance(model, nnx.Module):
-        return "nnx"
-    if isinstance(model, nn.Module):
-        return "linen"
-    raise TypeError(
-        f"expected a flax.linen Module or a flax.nnx Module, got {type(model).__name__}"
-    )
-
-
-def sites(model, rules, *args, **kwargs) -> list[Site]:
+def sites(model, rules, *args, implementation: str | None = None, **kwargs) -> list[Site]:
     """The quantizable GEMMs of ``model`` and the recipe ``rules`` give each (None: no rule,
     the module stays as it is). A Linen model is traced abstractly (``jax.eval_shape``) on
     example inputs ``*args`` (arrays or ``jax.ShapeDtypeStruct``); an NNX model needs none.
+    ``implementation``: recorded on the quantized sites (``Site.implementation``), as
+    ``quantize(model, rules, implementation=...)`` would run them.
 
     >>> import jax.numpy as jnp, lowbit.flax as lbf
     >>> from flax import nnx
@@ -39,15 +28,15 @@ def sites(model, rules, *args, **kwargs) -> list[Site]:
     >>> [(s.path, s.kind, s.recipe.name, s.layout) for s in lbf.sites(model, [(".*", "nvfp4")])]
     [('', 'dot_general', 'nvfp4', Layout(axis=0, other_axis=1))]
     """
-    if _framework(model) == "nnx":
+    if _core.framework(model) == "nnx":
         from lowbit.flax import nnx as _nnx
 
         if args or kwargs:
             raise TypeError("an NNX model needs no example inputs")
-        return _nnx.sites(model, rules)
+        return _nnx.sites(model, rules, implementation=implementation)
     from lowbit.flax import linen as _linen
 
-    return _linen.sites(model, rules, *args, **kwargs)[0]
+    return _linen.sites(model, rules, *args, implementation=implementation, **kwargs)[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,6 +168,7 @@ class Row:
     shape: tuple[int, ...] | None
     params: int
     bits_per_param: float | None
+    implementation: str | None = None  # of a quantized site (None: the backend's best)
 
 
 def weight_bits(recipe: lb.Recipe | None, dtype) -> float:
@@ -188,9 +178,14 @@ def weight_bits(recipe: lb.Recipe | None, dtype) -> float:
     return 8.0 * np.dtype(dtype).itemsize
 
 
-def describe(model, rules, *args, print_fn=print, **kwargs) -> list[Row]:
+def describe(
+    model, rules, *args, implementation: str | None = None, print_fn=print, **kwargs
+) -> list[Row]:
     """Print which module gets which recipe and the resulting bits per weight; return the
     rows (the last one: the model total over all parameters).
+
+    ``implementation``: what the quantized GEMMs would run (as for
+    :func:`lowbit.flax.quantize`), shown per quantized site (``"auto"`` for None).
 
     Bits per weight come from the recipe's forward weight spec (e.g. MXFP4: 4 bits + one
     8-bit scale per 32 = 4.25; NVFP4 with 16x16 tiles: 4 + 8/256); unquantized parameters
@@ -207,16 +202,19 @@ def describe(model, rules, *args, print_fn=print, **kwargs) -> list[Row]:
     4680
     """
     rules = Rules.of(rules)
-    fw = _framework(model)
+    _core.check_implementation(implementation)
+    fw = _core.framework(model)
     if fw == "nnx":
         from flax import nnx
 
-        site_list = sites(model, rules, *args, **kwargs)
+        site_list = sites(model, rules, *args, implementation=implementation, **kwargs)
         params = nnx.state(model, nnx.Param)
     else:
         from lowbit.flax import linen as _linen
 
-        site_list, params = _linen.sites(model, rules, *args, **kwargs)
+        site_list, params = _linen.sites(
+            model, rules, *args, implementation=implementation, **kwargs
+        )
     rows = []
     quantized: dict[str, float] = {}
     for s in site_list:
@@ -228,7 +226,8 @@ def describe(model, rules, *args, print_fn=print, **kwargs) -> list[Row]:
                 quantized[s.kernel] = bits
         else:
             n, bits = 0, None
-        rows.append(Row(s.path, s.module, s.kind, r.name if r else "-", s.shape, n, bits))
+        impl = s.implementation if r is not None else None
+        rows.append(Row(s.path, s.module, s.kind, r.name if r else "-", s.shape, n, bits, impl))
     total_n, total_bits = 0, 0.0
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         name = _core.path_str(_core.keypath_str(keypath))
@@ -244,15 +243,17 @@ def describe(model, rules, *args, print_fn=print, **kwargs) -> list[Row]:
 def format_rows(
     rows: list[Row], rules: Rules | None = None, site_list: list[Site] | None = None
 ) -> str:
-    head = ("path", "module", "kind", "recipe", "weight", "params", "bits/param")
+    head = ("path", "module", "kind", "recipe", "impl", "weight", "params", "bits/param")
     table = [head]
     for r in rows:
+        impl = r.recipe if r.recipe in ("-", "") else (r.implementation or "auto")
         table.append(
             (
                 r.path or "(root)",
                 r.module,
                 r.kind,
                 r.recipe,
+                impl,
                 "x".join(map(str, r.shape)) if r.shape else "-",
                 f"{r.params:,}" if r.params else "-",
                 f"{r.bits_per_param:.4g}" if r.bits_per_param is not None else "-",
@@ -261,7 +262,7 @@ def format_rows(
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = [
         "  ".join(
-            c.rjust(w) if i >= 5 else c.ljust(w)
+            c.rjust(w) if i >= 6 else c.ljust(w)
             for i, (c, w) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
         for row in table
