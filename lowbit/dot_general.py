@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import string
 from collections.abc import Sequence
 
@@ -32,13 +33,18 @@ from lowbit.operand import (
     barrier,
     fold_key,
     gemm_signs,
-    hadamard_along,
     prepare_operand,
     unpack_operand,
 )
 from lowbit.recipes import GemmSpec, Recipe
 
-__all__ = ["dot_general", "einsum"]
+__all__ = [
+    "dot_general",
+    "einsum",
+    "IMPLEMENTATIONS",
+    "check_implementation",
+    "resolve_implementation",
+]
 
 # fold_in tags: one stream per (GEMM, operand) for rounding and one per GEMM for signs.
 _FWD, _DLHS, _DRHS = 0, 1, 2
@@ -108,17 +114,19 @@ def _normalize_dn(dn, lhs_ndim, rhs_ndim):
 
 
 def _prepare(x, spec, gemm: GemmSpec, axis, other_axis, key, signs, use_barrier: bool,
-             packed: bool = False):
+             packed: bool = False, *, native: bool):
     return prepare_operand(x, spec, gemm, axis, other_axis, key, signs,
-                           use_barrier=use_barrier, packed=packed)
+                           use_barrier=use_barrier, packed=packed, native=native)
 
 
-def _fwd_operands(lhs, rhs, dims: _Dims, recipe: Recipe, key):
+def _fwd_operands(lhs, rhs, dims: _Dims, recipe: Recipe, key, native: bool):
     g = recipe.fwd
     signs = _signs(g, key, _FWD)
     lk, rk = (_fold(key, _FWD, i) if key is not None else None for i in (0, 1))
-    lq = _prepare(lhs, g.lhs, g, _last(dims.lhs_contract), _last(dims.lhs_free), lk, signs, True)
-    rq = _prepare(rhs, g.rhs, g, _last(dims.rhs_contract), _last(dims.rhs_free), rk, signs, True)
+    lq = _prepare(lhs, g.lhs, g, _last(dims.lhs_contract), _last(dims.lhs_free), lk, signs, True,
+                  native=native)
+    rq = _prepare(rhs, g.rhs, g, _last(dims.rhs_contract), _last(dims.rhs_free), rk, signs, True,
+                  native=native)
     return lq, rq, signs
 
 
@@ -155,13 +163,19 @@ class _Static:
     lhs_dtype: np.dtype
     rhs_shape: tuple[int, ...]
     rhs_dtype: np.dtype
-    implementation: str = "xla"
+    implementation: str = "emulation"  # resolved: "emulation", "xla" or "pallas"
+    requested: str | None = None  # as the caller said it (explicit "pallas" warns on fallback)
+
+    @property
+    def native(self) -> bool:
+        """Whether the emulation may use the compiled CPU kernel (not for "xla")."""
+        return self.implementation != "xla"
 
     @property
     def pallas(self) -> bool:
-        """Whether the GEMMs go through pallas_kernels.gemm: asked for, and the call is a
-        plain ``x [..., K] @ w [K, N]`` (or ``w [N, K]``) with no batch dims, whose flattened
-        token axis keeps the emulation's blocks (a leading axis splits no block)."""
+        """Whether the GEMMs go through ``pallas_kernels.quantized_gemm``: asked for, and the
+        call is a plain ``x [..., K] @ w [K, N]`` (or ``w [N, K]``) with no batch dims, whose
+        flattened token axis keeps the emulation's blocks (a leading axis splits no block)."""
         if self.implementation != "pallas":
             return False
         (lc, rc), (lb_, rb) = self.dn
@@ -171,50 +185,50 @@ class _Static:
         return nl == 2 or self.lhs_shape[-2] % 256 == 0
 
 
-def _pallas_prep(x, gemm: GemmSpec, axis: int, signs):
-    """A GEMM operand for pallas_kernels.gemm: float32, Hadamard-transformed along ``axis``,
-    not yet quantized (the kernel path quantizes it)."""
-    x = barrier(x.astype(jnp.float32))
-    if gemm.hadamard:
-        x = hadamard_along(x, axis % x.ndim, gemm.hadamard, signs)
-    return x
+# The GEMM implementations outside lowbit, imported on first use: lowbit reaches
+# pallas_kernels only through this table (pallas_kernels imports lowbit's lower layers).
+_GEMM_TABLE = {"pallas": ("pallas_kernels.quantized_gemm", "quantized_gemm")}
+
+
+def _gemm_op(name: str):
+    module, attr = _GEMM_TABLE[name]
+    return getattr(importlib.import_module(module), attr)
+
+
+def _gemm(a, b, gemm: GemmSpec, key, tag: int, signs, st: _Static):
+    """One 2-D GEMM ``a [M, K] @ b [K, N]`` of the recipe through the kernel op."""
+    if not gemm.active:  # nothing to quantize or transform: the plain float32 GEMM
+        return _dot(a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (0,)), ((), ())))
+    quantized_gemm = _gemm_op("pallas")
+    return quantized_gemm(barrier(a.astype(jnp.float32)), barrier(b.astype(jnp.float32)),
+                          gemm.lhs, gemm.rhs, _fold(key, tag, 0), _fold(key, tag, 1),
+                          hadamard=gemm.hadamard or None, signs=signs,
+                          implementation=st.requested)
 
 
 def _pallas_fwd(lhs, rhs, st: _Static, key):
-    from pallas_kernels.gemm import quantized_gemm  # lowbit does not import pallas eagerly
-
     g, rc = st.recipe.fwd, st.dn[0][1][0]
-    signs = _signs(g, key, _FWD)
-    a = _pallas_prep(lhs, g, -1, signs)
-    b = _pallas_prep(rhs, g, rc, signs)
     k = lhs.shape[-1]
-    y = quantized_gemm(a.reshape(-1, k), b if rc == 0 else b.T, g.lhs, g.rhs,
-                       _fold(key, _FWD, 0), _fold(key, _FWD, 1))
+    y = _gemm(lhs.reshape(-1, k), rhs if rc == 0 else rhs.T, g, key, _FWD,
+              _signs(g, key, _FWD), st)
     return y.reshape(*lhs.shape[:-1], y.shape[-1])
 
 
 def _pallas_bwd(lhs, rhs, dy, st: _Static, key):
     """dlhs = dy . w^T and drhs = x^T . dy as [M, N] x [N, K] and [K, M] x [M, N] GEMMs."""
-    from pallas_kernels.gemm import quantized_gemm
-
     recipe, rc = st.recipe, st.dn[0][1][0]
     dl, dr = recipe.dlhs, recipe.drhs
     k, n = lhs.shape[-1], dy.shape[-1]
     lq = rq = fwd_signs = None
     if dl.rhs is None or dr.lhs is None:  # straight-through operands: the forward's values
         dims = _Dims.of(st.dn, lhs.ndim, rhs.ndim)
-        lq, rq, fwd_signs = _fwd_operands(lhs, rhs, dims, recipe, key)
+        lq, rq, fwd_signs = _fwd_operands(lhs, rhs, dims, recipe, key, st.native)
     s_dl, s_dr = _signs(dl, key, _DLHS), _signs(dr, key, _DRHS)
     w = rhs if dl.rhs is not None else _effective(rq, recipe.fwd, rc, fwd_signs)
-    w = _pallas_prep(w, dl, 1 - rc, s_dl)
-    dy_dl = _pallas_prep(dy, dl, -1, s_dl).reshape(-1, n)
-    dlhs = quantized_gemm(dy_dl, w.T if rc == 0 else w, dl.lhs, dl.rhs,
-                          _fold(key, _DLHS, 0), _fold(key, _DLHS, 1)).reshape(lhs.shape)
+    dlhs = _gemm(dy.reshape(-1, n), w.T if rc == 0 else w, dl, key, _DLHS, s_dl, st)
     x = lhs if dr.lhs is not None else _effective(lq, recipe.fwd, lhs.ndim - 1, fwd_signs)
-    x = _pallas_prep(x.reshape(-1, k), dr, 0, s_dr)
-    dy_dr = _pallas_prep(dy.reshape(-1, n), dr, 0, s_dr)
-    drhs = quantized_gemm(x.T, dy_dr, dr.lhs, dr.rhs, _fold(key, _DRHS, 0), _fold(key, _DRHS, 1))
-    return dlhs, (drhs if rc == 0 else drhs.T)
+    drhs = _gemm(x.reshape(-1, k).T, dy.reshape(-1, n), dr, key, _DRHS, s_dr, st)
+    return dlhs.reshape(lhs.shape), (drhs if rc == 0 else drhs.T)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -222,7 +236,7 @@ def _qdot(lhs, rhs, key, st: _Static):
     if st.pallas:
         return _pallas_fwd(lhs, rhs, st, key).astype(st.out_dtype)
     dims = _Dims.of(st.dn, lhs.ndim, rhs.ndim)
-    lq, rq, _ = _fwd_operands(lhs, rhs, dims, st.recipe, key)
+    lq, rq, _ = _fwd_operands(lhs, rhs, dims, st.recipe, key, st.native)
     return _dot(lq, rq, st.dn).astype(st.out_dtype)
 
 
@@ -231,19 +245,19 @@ def _qdot_fwd(lhs, rhs, key, st: _Static):
     if st.pallas:  # the backward quantizes again from the high-precision operands
         return _pallas_fwd(lhs, rhs, st, key).astype(st.out_dtype), (None, lhs, rhs, key)
     dims = _Dims.of(st.dn, lhs.ndim, rhs.ndim)
-    lq, rq, signs = _fwd_operands(lhs, rhs, dims, recipe, key)
+    lq, rq, signs = _fwd_operands(lhs, rhs, dims, recipe, key, st.native)
     y = _dot(lq, rq, st.dn).astype(st.out_dtype)
     if recipe.residuals == "quantized":
         # Quantize now what the backward GEMMs need and save it packed.
         w_dl, x_dr, _, _ = _bwd_static_operands(
-            lhs, rhs, lq, rq, signs, dims, recipe, key, packed=True
+            lhs, rhs, lq, rq, signs, dims, recipe, key, packed=True, native=st.native
         )
         return y, ((w_dl, x_dr), None, None, key)
     return y, (None, lhs, rhs, key)
 
 
 def _bwd_static_operands(lhs, rhs, lq, rq, fwd_signs, dims: _Dims, recipe: Recipe, key,
-                         packed: bool = False):
+                         packed: bool = False, *, native: bool):
     """The rhs of dgrad and the lhs of wgrad (they do not depend on dy); with ``packed``,
     the quantized ones in packed form (see :func:`quantize_operand`)."""
     dl, dr = recipe.dlhs, recipe.drhs
@@ -252,16 +266,16 @@ def _bwd_static_operands(lhs, rhs, lq, rq, fwd_signs, dims: _Dims, recipe: Recip
     l_axis, l_other = _last(dims.lhs_free), _last(dims.lhs_contract)
     if dl.rhs is None:  # straight-through: the forward's operand, original basis
         w = _effective(rq, recipe.fwd, _last(dims.rhs_contract), fwd_signs)
-        w_dl = _prepare(w, None, dl, r_axis, r_other, None, s_dl, False)
+        w_dl = _prepare(w, None, dl, r_axis, r_other, None, s_dl, False, native=native)
     else:
         w_dl = _prepare(rhs, dl.rhs, dl, r_axis, r_other, _fold(key, _DLHS, 1), s_dl, True,
-                        packed)
+                        packed, native=native)
     if dr.lhs is None:
         x = _effective(lq, recipe.fwd, _last(dims.lhs_contract), fwd_signs)
-        x_dr = _prepare(x, None, dr, l_axis, l_other, None, s_dr, False)
+        x_dr = _prepare(x, None, dr, l_axis, l_other, None, s_dr, False, native=native)
     else:
         x_dr = _prepare(lhs, dr.lhs, dr, l_axis, l_other, _fold(key, _DRHS, 0), s_dr, True,
-                        packed)
+                        packed, native=native)
     return w_dl, x_dr, s_dl, s_dr
 
 
@@ -273,9 +287,9 @@ def _qdot_bwd(st: _Static, res, dy):
         return dlhs.astype(st.lhs_dtype), drhs.astype(st.rhs_dtype), None
     dims = _Dims.of(dn, len(st.lhs_shape), len(st.rhs_shape))
     if saved is None:
-        lq, rq, signs = _fwd_operands(lhs, rhs, dims, recipe, key)
+        lq, rq, signs = _fwd_operands(lhs, rhs, dims, recipe, key, st.native)
         w_dl, x_dr, s_dl, s_dr = _bwd_static_operands(
-            lhs, rhs, lq, rq, signs, dims, recipe, key
+            lhs, rhs, lq, rq, signs, dims, recipe, key, native=st.native
         )
     else:
         w_dl = unpack_operand(saved[0], recipe.dlhs.rhs)
@@ -283,15 +297,48 @@ def _qdot_bwd(st: _Static, res, dy):
         s_dl, s_dr = _signs(recipe.dlhs, key, _DLHS), _signs(recipe.drhs, key, _DRHS)
     dl, dr = recipe.dlhs, recipe.drhs
     dy_dl = _prepare(dy, dl.lhs, dl, _last(dims.out_rhs_free), _last(dims.out_lhs_free),
-                     _fold(key, _DLHS, 0), s_dl, True)
+                     _fold(key, _DLHS, 0), s_dl, True, native=st.native)
     dy_dr = _prepare(dy, dr.rhs, dr, _last(dims.out_lhs_free), _last(dims.out_rhs_free),
-                     _fold(key, _DRHS, 1), s_dr, True)
+                     _fold(key, _DRHS, 1), s_dr, True, native=st.native)
     dlhs = _transpose_lhs(dy_dl, w_dl, dn, st.lhs_shape).astype(st.lhs_dtype)
     drhs = _transpose_rhs(dy_dr, x_dr, dn, st.rhs_shape).astype(st.rhs_dtype)
     return dlhs, drhs, None
 
 
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)
+
+
+IMPLEMENTATIONS = (None, "xla", "pallas")
+"""The values of every ``implementation=`` argument, from here up to the experiment configs."""
+
+
+def check_implementation(implementation, name: str = "implementation"):
+    """``implementation`` if it is one of :data:`IMPLEMENTATIONS`, else a ValueError."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"{name} must be one of {IMPLEMENTATIONS} (None: the best available for the "
+            f"backend), got {implementation!r}"
+        )
+    return implementation
+
+
+def resolve_implementation(implementation: str | None, backend: str | None = None) -> str:
+    """What ``implementation=`` means when a GEMM is traced: ``"emulation"``, ``"xla"`` or
+    ``"pallas"``.
+
+    - ``"xla"``: the XLA emulation in pure XLA (every quantizer in XLA ops): the reference.
+    - ``"pallas"``: plain ``x @ w`` GEMMs through ``pallas_kernels.quantized_gemm`` (Pallas
+      kernels when lowered for CUDA, the emulation elsewhere); others through the emulation.
+    - None, the best available for ``backend`` (default: JAX's): on a GPU ``"pallas"``; on
+      CPU (and other backends) ``"emulation"``: the XLA emulation whose quantizers run on the
+      compiled CPU kernel where ``lowbit.native`` is active (bit-identical to ``"xla"``, except
+      that its fused Hadamard transform follows the butterfly's arithmetic).
+    """
+    check_implementation(implementation)
+    if implementation is not None:
+        return implementation
+    backend = jax.default_backend() if backend is None else backend
+    return "pallas" if backend == "gpu" else "emulation"
 
 
 def dot_general(
@@ -302,7 +349,7 @@ def dot_general(
     key: jax.Array | None = None,
     preferred_element_type=None,
     precision=None,
-    implementation: str = "xla",
+    implementation: str | None = None,
 ) -> jax.Array:
     """``lax.dot_general`` whose forward and backward GEMMs are quantized per ``recipe``.
 
@@ -317,12 +364,14 @@ def dot_general(
       preferred_element_type: output dtype (default: the operands' result type).
       precision: accepted for signature compatibility with ``lax.dot_general`` (Flax passes
         it); quantized GEMMs always accumulate in float32.
-      implementation: ``"xla"`` (the emulation) or ``"pallas"``: the three GEMMs of a plain
-        ``x [..., K] @ w`` go through ``pallas_kernels.gemm.quantized_gemm``, which lowers the
-        Pallas kernels for CUDA and the same emulation elsewhere (other dimension numbers, and
-        specs the kernels do not take, use the emulation). On CPU the values equal the "xla"
-        ones up to float32 summation order, except that stochastic rounding of a transposed
-        operand draws other (identically distributed) random bits.
+      implementation: ``None`` (default: the best available for the backend), ``"xla"`` or
+        ``"pallas"`` (:data:`IMPLEMENTATIONS`, see :func:`resolve_implementation`).
+        ``"xla"`` is the pure-XLA emulation, the reference. ``"pallas"``: the three GEMMs of
+        a plain ``x [..., K] @ w`` go through ``pallas_kernels.quantized_gemm``, which lowers
+        the Pallas kernels for CUDA and the emulation elsewhere (other dimension numbers, and
+        specs the kernels do not take, use the emulation). On CPU its values equal the
+        emulation's up to float32 summation order, except that stochastic rounding of a
+        transposed operand draws other (identically distributed) random bits.
 
     >>> import jax, jax.numpy as jnp, lowbit as lb
     >>> x, w = jnp.ones((4, 32)), jnp.ones((32, 8))
@@ -330,8 +379,7 @@ def dot_general(
     32.0
     """
     r = _recipes.get(recipe)
-    if implementation not in ("xla", "pallas"):
-        raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
+    impl = resolve_implementation(implementation)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     for name, a in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
@@ -361,7 +409,7 @@ def dot_general(
             "(a new key per step)"
         )
     st = _Static(dn, r, out_dtype, tuple(lhs.shape), lhs.dtype, tuple(rhs.shape), rhs.dtype,
-                 implementation)
+                 impl, implementation)
     return _qdot(lhs, rhs, key, st)
 
 
@@ -373,7 +421,7 @@ def einsum(
     recipe: str | Recipe | None = "none",
     key: jax.Array | None = None,
     preferred_element_type=None,
-    implementation: str = "xla",
+    implementation: str | None = None,
 ) -> jax.Array:
     """Two-operand ``jnp.einsum`` through :func:`dot_general` (quantized per ``recipe``).
 

@@ -1,4 +1,4 @@
-"""pallas_kernels.gemm.quantized_gemm: one GEMM of lowbit.dot_general, emulation or kernels.
+"""pallas_kernels.quantized_gemm: one GEMM of lowbit.dot_general, emulation or kernels.
 
 On CPU the op must be the XLA emulation bit for bit (``lax.platform_dependent`` keeps its
 ``default`` branch), for every operand-spec pair any registered recipe uses, stochastic
@@ -27,7 +27,7 @@ import lowbit as lb
 from lowbit.operand import quantize_operand
 from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 from pallas_kernels._common import TRITON_CUSTOM_CALL_TARGETS, export_for_cuda, on_gpu
-from pallas_kernels.gemm import kernel_supports, quantized_gemm, quantized_gemm_reference
+from pallas_kernels.quantized_gemm import kernel_supports, quantized_gemm, quantized_gemm_reference
 
 cpu_only = pytest.mark.skipif(on_gpu(), reason="checks the CPU (emulation) branch")
 

@@ -1,0 +1,125 @@
+"""The kernel path of one quantized GEMM: the Pallas quantize kernel for each operand, then the
+block-scaled matmul kernel on the packed codes.
+
+Each quantized operand goes through ``pallas_kernels.quantize`` along K (``a`` along axis 1,
+``b`` along axis 0; bit-exact with lowbit's quantizer, stochastic rounding included), after the
+RMS clipping of ``clip_rms`` specs (XLA) and the GEMM's Hadamard transform (XLA, the same
+``lowbit.hadamard`` call as the emulation); the block-scaled matmul then multiplies the packed
+codes with float32 accumulation (a None spec: that operand enters in float32, the weight-only
+GEMM). It matches the emulation to float32-accumulation tolerance: the quantized values are the
+same, only the order of the float32 sums and where NVFP4's tensor scale is applied differ.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit import formats as _formats
+from lowbit.operand import hadamard_along
+from lowbit.recipes import QuantSpec
+from pallas_kernels._common import is_pow2
+from pallas_kernels.block_scaled_matmul import get_default as _matmul_default
+from pallas_kernels.block_scaled_matmul.kernel import matmul_pallas
+from pallas_kernels.quantize import get_default as _quantize_default
+from pallas_kernels.quantize.kernel import quantize_pallas
+
+__all__ = ["kernel_supports", "quantized_gemm_pallas"]
+
+
+def _spec_unsupported(spec: QuantSpec | None, name: str) -> str | None:
+    """Why the kernels cannot take operand spec ``spec`` (None if they can)."""
+    if spec is None:
+        return None
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"{name} must be a lowbit.recipes.QuantSpec or None, got {spec!r}")
+    if spec.granularity != "block":
+        return (
+            f"{name}: granularity={spec.granularity!r} ({spec.format} with one scale per "
+            "tensor) has no block-scaled kernel"
+        )
+    fmt = _formats.get(spec.format)
+    if spec.block_shape is not None:
+        if len(spec.block_shape) != 1:
+            return (
+                f"{name}: a {len(spec.block_shape)}-D block_shape {spec.block_shape} (the "
+                "kernels quantize with 1-D blocks along K)"
+            )
+        if spec.block_shape[0] != fmt.block_size:
+            return (
+                f"{name}: block_shape {spec.block_shape} is not {fmt.name}'s own block "
+                f"({fmt.block_size},) (the quantize kernel's block)"
+            )
+    if not is_pow2(fmt.block_size) or fmt.block_size < 16:
+        return f"{name}: block size {fmt.block_size} is not a power of two >= 16"
+    if fmt.elem.bits not in (4, 6, 8):
+        return f"{name}: {fmt.elem.bits}-bit elements (the kernels pack 4, 6 or 8 bits)"
+    if fmt.tensor_scale and spec.scale_mode not in (None, "nvfp4"):
+        return f"{name}: scale_mode={spec.scale_mode!r} does not apply to {fmt.name}"
+    if spec.prescale != 1.0:
+        return (
+            f"{name}: prescale={spec.prescale} is a gain applied after the block scale is "
+            "chosen, which the quantize kernel does not implement yet"
+        )
+    return None
+
+
+def kernel_supports(spec_a: QuantSpec | None, spec_b: QuantSpec | None) -> tuple[bool, str]:
+    """Whether the Pallas path can compute a GEMM with these operand specs, and why not.
+
+    Returns ``(True, "")`` or ``(False, reason)``. Unsupported: per-tensor FP8
+    (``granularity="tensor"``), 2-D ``block_shape`` tiles, a 1-D block other than the
+    format's own, and two high-precision (None) operands (no quantized operand at all).
+    """
+    for spec, name in ((spec_a, "spec_a"), (spec_b, "spec_b")):
+        reason = _spec_unsupported(spec, name)
+        if reason is not None:
+            return False, reason
+    if spec_a is None and spec_b is None:
+        return False, "both operands are high precision (None): a plain float32 dot"
+    return True, ""
+
+
+def _condition(x, spec: QuantSpec, axis: int):
+    """The XLA part of ``quantize_operand`` before the quantizer: RMS clipping along the
+    contraction axis (the same operations, so the same bits)."""
+    if spec.clip_rms is not None:
+        rms = jnp.sqrt(jnp.mean(jnp.square(x), axis=axis, keepdims=True))
+        bound = np.float32(spec.clip_rms) * rms
+        x = jnp.clip(x, -bound, bound)
+    return x
+
+
+def _kernel_operand(x, spec: QuantSpec | None, axis: int, key, interpret: bool, hadamard,
+                    signs):
+    """A QArray quantized along ``axis`` by the Pallas kernel, or ``x`` (None spec)."""
+    if hadamard is not None:
+        x = hadamard_along(x, axis, hadamard, signs)
+    if spec is None:
+        return x
+    x = _condition(x, spec, axis)
+    fmt = _formats.get(spec.format)
+    return quantize_pallas(
+        x,
+        fmt,
+        axis,
+        rounding=spec.rounding,
+        key=key if spec.stochastic else None,
+        scale_mode=spec.scale_mode if fmt.is_mx else None,
+        config=_quantize_default(x.shape, fmt, axis),
+        interpret=interpret,
+    )
+
+
+def quantized_gemm_pallas(a, b, key_a, key_b, *, spec_a, spec_b, hadamard=None, signs=None,
+                          interpret: bool = False) -> jax.Array:
+    """The kernel path for specs :func:`kernel_supports` accepts (checked by the caller)."""
+    qa = _kernel_operand(a, spec_a, 1, key_a, interpret, hadamard, signs)
+    qb = _kernel_operand(b, spec_b, 0, key_b, interpret, hadamard, signs)
+    (m, k), n = a.shape, b.shape[1]
+    blocks = tuple(_formats.get(s.format).block_size for s in (spec_a, spec_b) if s is not None)
+    config = _matmul_default(
+        m, n, k, block_sizes=blocks, high_precision_f32=spec_a is None or spec_b is None
+    )
+    return matmul_pallas(qa, qb, config=config, out_dtype=jnp.float32, interpret=interpret)

@@ -1,0 +1,172 @@
+"""The package graph runs one way, and no module uses another's private names.
+
+Layers, lowest first (a module may import its own layer and the layers below it):
+
+    formats -> numerics, hadamard -> native -> qarray -> recipes -> operand
+      -> pallas_kernels (the kernels and their references) -> dot_general -> flax
+      -> experiments -> benchmarks
+
+``lowbit`` reaches ``pallas_kernels`` only through the lazy implementation table in
+``lowbit.dot_general`` (an ``importlib`` call on first use, no import statement), and
+``pallas_kernels`` imports only lowbit modules below ``dot_general`` (never the ``lowbit``
+package itself, whose ``__init__`` loads ``dot_general``). ``lowbit/__init__.py`` re-exports
+the public API and is exempt. Everything is read from the source with ``ast``: nothing here
+depends on what happens to be imported already.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("lowbit", "pallas_kernels", "experiments", "benchmarks")
+
+LAYERS = [
+    ("lowbit.formats",),
+    ("lowbit.numerics", "lowbit.hadamard"),
+    ("lowbit.native",),
+    ("lowbit.qarray",),
+    ("lowbit.recipes",),
+    ("lowbit.operand",),
+    ("pallas_kernels",),
+    ("lowbit.dot_general",),
+    ("lowbit.flax",),
+    ("experiments",),
+    ("benchmarks",),
+]
+
+
+def layer(module: str) -> int | None:
+    """The layer of a module (the longest matching prefix), None for third-party modules."""
+    best, rank = -1, None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > best:
+                best, rank = len(name), i
+    return rank
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = modules()
+
+
+def _resolve(node: ast.ImportFrom, module: str, path: Path) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if path.name != "__init__.py":
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports(module: str, path: Path):
+    """(imported module, name or None, line) for every import statement of a file, with
+    ``from pkg import sub`` resolved to the submodule when ``pkg.sub`` is a module."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            src = _resolve(node, module, path)
+            for alias in node.names:
+                sub = f"{src}.{alias.name}"
+                if sub in MODULES:
+                    yield sub, None, node.lineno
+                else:
+                    yield src, alias.name, node.lineno
+
+
+def test_the_layer_table_covers_every_module():
+    missing = [m for m in MODULES if m != "lowbit" and layer(m) is None]
+    assert not missing, f"modules without a layer in LAYERS: {missing}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_run_down_the_layers(module):
+    if module == "lowbit":  # the package's public re-exports
+        return
+    path, own = MODULES[module], layer(module)
+    bad = []
+    for target, _, line in imports(module, path):
+        rank = layer(target)
+        if rank is None:
+            continue
+        if target == "lowbit" and own < layer("lowbit.dot_general"):
+            bad.append(f"line {line}: imports the lowbit package (loads dot_general and more)")
+        elif rank > own:
+            bad.append(f"line {line}: imports {target} (layer {rank} > {own})")
+        if module.startswith("lowbit") and target.startswith("pallas_kernels"):
+            bad.append(f"line {line}: lowbit imports {target} (use the implementation table)")
+    assert not bad, f"{module}:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_names_of_other_modules(module):
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    ours = {m for m in MODULES}
+    bad = []
+    aliases: dict[str, str] = {}  # local name -> one of our modules
+    for target, name, line in imports(module, path):
+        if not (target in ours or target.split(".")[0] in PACKAGES):
+            continue
+        if name is not None and name.startswith("_") and target != module:
+            bad.append(f"line {line}: from {target} import {name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in ours:
+                    aliases[a.asname or a.name] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            src = _resolve(node, module, path)
+            for a in node.names:
+                if f"{src}.{a.name}" in ours:
+                    aliases[a.asname or a.name] = f"{src}.{a.name}"
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and aliases[node.value.id] != module
+        ):
+            bad.append(f"line {node.lineno}: {aliases[node.value.id]}.{node.attr}")
+    assert not bad, f"{module} uses private names of other modules:\n" + "\n".join(bad)
+
+
+def test_lowbit_reaches_the_kernels_through_one_table():
+    import importlib
+
+    dg = importlib.import_module("lowbit.dot_general")  # lowbit.dot_general is the function
+    for name, (mod, attr) in dg._GEMM_TABLE.items():
+        assert name in dg.IMPLEMENTATIONS
+        assert mod in MODULES and layer(mod) == layer("pallas_kernels")
+        assert callable(getattr(importlib.import_module(mod), attr))
+    # and that table is the only place lowbit names a kernel module as a string (what an
+    # importlib call would take), docstrings aside
+    for module, path in MODULES.items():
+        if not module.startswith("lowbit") or module == "lowbit.dot_general":
+            continue
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
+                and isinstance(n.body[0], ast.Expr)}
+        names = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+                 and isinstance(n.value, str) and id(n) not in docs
+                 and n.value.startswith("pallas_kernels")]
+        assert not names, f"{module} names {names}"
