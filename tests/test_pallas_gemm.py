@@ -1,6 +1,8 @@
 """pallas_kernels.quantized_gemm: one GEMM of lowbit.dot_general, emulation or kernels.
 
-On CPU the op must be the XLA emulation bit for bit (``lax.platform_dependent`` keeps its
+The spec tests are written once (tests/gemm_base.py) and run here per implementation: the
+pure-XLA emulation, "pallas" on CPU, the compiled CPU kernel, and the Pallas path in interpret
+mode. On CPU the op must be the XLA emulation bit for bit (``lax.platform_dependent`` keeps its
 ``default`` branch), for every operand-spec pair any registered recipe uses, stochastic
 rounding and high-precision (None) operands included. The Pallas path is checked two ways
 without a GPU: in interpret mode against the emulation to float32-accumulation tolerance, and
@@ -27,70 +29,30 @@ import lowbit as lb
 from lowbit.operand import quantize_operand
 from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 from pallas_kernels._common import TRITON_CUSTOM_CALL_TARGETS, export_for_cuda, on_gpu
-from pallas_kernels.quantized_gemm import kernel_supports, quantized_gemm, quantized_gemm_reference
+from pallas_kernels.quantized_gemm import kernel_supports, quantized_gemm
+from tests.gemm_base import (
+    KEY_A,
+    KEY_B,
+    PAIRS,
+    SR4,
+    SR4P,
+    SUPPORTED,
+    QuantizedGemmSpec,
+    data,
+    pair_id,
+    parametrize_gemm_spec,
+    recipe_pairs,
+    spec_name,
+)
 
 cpu_only = pytest.mark.skipif(on_gpu(), reason="checks the CPU (emulation) branch")
+native_only = pytest.mark.skipif(not lb.native.available(), reason="no compiled CPU kernel")
+
+_name, _ids, _data, _recipe_pairs = spec_name, pair_id, data, recipe_pairs
 
 
-def _recipe_pairs() -> list[tuple[QuantSpec | None, QuantSpec | None]]:
-    """(lhs, rhs) of the fwd, dlhs and drhs GEMMs of every registered recipe, deduplicated."""
-    pairs = []
-    for name in lb.recipes.names():
-        r = lb.recipes.get(name)
-        for g in (r.fwd, r.dlhs, r.drhs):
-            p = (g.lhs, g.rhs)
-            if p != (None, None) and p not in pairs:
-                pairs.append(p)
-    return pairs
-
-
-SR4 = QuantSpec("mxfp4", rounding="stochastic")
-SR4P = QuantSpec("mxfp4", rounding="stochastic", prescale=0.75)  # not for the kernel (yet)
-EXTRA_PAIRS = [  # high-precision (weight-only) operands: no recipe holds one alone
-    (None, QuantSpec("mxfp4")),
-    (QuantSpec("mxfp8_e4m3"), None),
-    (None, QuantSpec("nvfp4", rounding="stochastic")),
-    (None, SR4),
-    (None, SR4P),  # not for the kernel
-    (None, QuantSpec("nvfp4", block_shape=(16, 16))),  # not for the kernel
-    (QuantSpec("e4m3", granularity="tensor"), QuantSpec("mxfp4")),  # not for the kernel
-]
-PAIRS = _recipe_pairs() + EXTRA_PAIRS
-SUPPORTED = [p for p in PAIRS if kernel_supports(*p)[0]]
-
-
-def _name(spec: QuantSpec | None) -> str:
-    if spec is None:
-        return "f32"
-    s = spec.format
-    if spec.granularity == "tensor":
-        s += "-tensor"
-    if spec.scale_mode:
-        s += f"-{spec.scale_mode}"
-    if spec.block_shape:
-        s += "-" + "x".join(map(str, spec.block_shape))
-    if spec.stochastic:
-        s += "-sr"
-    if spec.prescale != 1.0:
-        s += f"-p{spec.prescale}"
-    if spec.clip_rms is not None:
-        s += f"-clip{spec.clip_rms}"
-    return s
-
-
-def _ids(pair) -> str:
-    return f"{_name(pair[0])}_{_name(pair[1])}"
-
-
-KEY_A = jax.random.key_data(jax.random.key(11))
-KEY_B = jax.random.key_data(jax.random.key(12))
-
-
-def _data(m, k, n, seed=0):
-    rng = np.random.default_rng(seed)
-    a = rng.standard_normal((m, k)) * np.exp(rng.standard_normal((m, k)))
-    b = rng.standard_normal((k, n)) * np.exp(rng.standard_normal((k, n)))
-    return jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+def pytest_generate_tests(metafunc):
+    parametrize_gemm_spec(metafunc)
 
 
 def _emulation(a, b, spec_a, spec_b, key_a, key_b):
@@ -104,22 +66,68 @@ def _emulation(a, b, spec_a, spec_b, key_a, key_b):
     )
 
 
+# --------------------------------------------------------------------------------------------
+# The spec tests (tests/gemm_base.py), once per implementation
+
+
+@cpu_only
+class TestXLA(QuantizedGemmSpec):
+    """implementation="xla": the pure-XLA emulation is the reference itself."""
+
+    implementation = "xla"
+
+
+@cpu_only
+class TestPallasOnCPU(QuantizedGemmSpec):
+    """implementation="pallas" on CPU lowers the emulation branch: bit for bit."""
+
+    implementation = "pallas"
+
+
+@cpu_only
+@native_only
+class TestCompiledCPUKernel(QuantizedGemmSpec):
+    """implementation=None with the compiled CPU kernel forced on (the test process has
+    several CPU devices, where ``auto`` keeps it off): the same bits."""
+
+    implementation = None
+    native = "on"
+
+
+INTERPRET_PAIRS = [
+    (QuantSpec("mxfp8_e4m3", scale_mode="rceil"),) * 2,
+    (QuantSpec("mxfp4"),) * 2,
+    (QuantSpec("nvfp4"),) * 2,
+    (SR4, SR4),
+    (None, QuantSpec("mxfp4")),
+    (QuantSpec("mxfp4", clip_rms=2.92),) * 2,
+]
+
+
+class TestPallasInterpret(QuantizedGemmSpec):
+    """The kernel path in Pallas interpret mode: the same quantized operands, float32 sums in
+    the kernel's order (tolerance). Interpret mode is slow: a few pairs, small shapes."""
+
+    interpret = True
+    exact = False
+    pairs = INTERPRET_PAIRS
+    numpy_pairs = [(QuantSpec("mxfp6_e2m3"), QuantSpec("nvfp4")), (None, QuantSpec("mxfp4"))]
+    hadamard_sizes = (16,)
+    shape = (32, 64, 32)
+
+    def test_runs_the_kernels(self):
+        a, b = data(32, 64, 32)
+        fn = functools.partial(quantized_gemm, spec_a=QuantSpec("mxfp4"),
+                               spec_b=QuantSpec("mxfp4"), interpret=True)
+        assert "pallas_call" in str(jax.make_jaxpr(fn)(a, b))
+
+
 def _jit(fn, pair, **kw):
     return jax.jit(functools.partial(fn, spec_a=pair[0], spec_b=pair[1], **kw))
 
 
 # --------------------------------------------------------------------------------------------
 # CPU: the emulation, bit for bit
-
-
-@cpu_only
-@pytest.mark.parametrize("pair", PAIRS, ids=_ids)
-def test_cpu_is_the_emulation_bit_for_bit(pair):
-    a, b = _data(24, 96, 40)  # N = 40: 2-D tiles pad
-    c = _jit(quantized_gemm, pair)(a, b, key_a=KEY_A, key_b=KEY_B)
-    ref = _jit(_emulation, pair)(a, b, key_a=KEY_A, key_b=KEY_B)
-    assert c.shape == (24, 40) and c.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(c), np.asarray(ref))
 
 
 @cpu_only
@@ -193,36 +201,6 @@ def test_rejects_bad_arguments():
 
 # --------------------------------------------------------------------------------------------
 # The Pallas path in interpret mode, against the emulation
-
-
-@jax.jit
-def _magnitude(aq, bq):
-    return jnp.dot(jnp.abs(aq), jnp.abs(bq), precision=lax.Precision.HIGHEST)
-
-
-INTERPRET_PAIRS = [
-    (QuantSpec("mxfp8_e4m3", scale_mode="rceil"),) * 2,
-    (QuantSpec("mxfp4"),) * 2,
-    (QuantSpec("nvfp4"),) * 2,
-    (SR4, SR4),
-    (None, QuantSpec("mxfp4")),
-    (QuantSpec("mxfp4", clip_rms=2.92),) * 2,
-]
-
-
-@pytest.mark.parametrize("pair", INTERPRET_PAIRS, ids=_ids)
-def test_interpret_matches_emulation(pair):
-    m, k, n = 32, 64, 32
-    a, b = _data(m, k, n, seed=3)
-    fn = _jit(quantized_gemm, pair, interpret=True)
-    assert "pallas_call" in str(jax.make_jaxpr(fn)(a, b, key_a=KEY_A, key_b=KEY_B))
-    c = fn(a, b, key_a=KEY_A, key_b=KEY_B)
-    ref = _jit(quantized_gemm_reference, pair)(a, b, key_a=KEY_A, key_b=KEY_B)
-    aq = quantize_operand(a, pair[0], 1, 0, KEY_A)
-    bq = quantize_operand(b, pair[1], 0, 1, KEY_B)
-    tol = (2 * k + 8) * 2.0**-24 * _magnitude(aq, bq)
-    err = jnp.abs(c - ref)
-    assert bool(jnp.all(err <= tol)), f"worst excess {float(jnp.max(err - tol))}"
 
 
 def test_interpret_with_unsupported_specs_warns_and_emulates():
