@@ -35,6 +35,7 @@ __all__ = [
     "gemm_signs",
     "fold_key",
     "barrier",
+    "clip_to_rms",
 ]
 
 _TENSOR_ELEMS = {"e4m3": E4M3, "e5m2": E5M2}
@@ -93,7 +94,9 @@ def _tensor_quantize(x, spec: QuantSpec, key):
     return round_to_grid(v, elem, rbits=rbits), np.float32(1.0) / s
 
 
-def _clip_rms(x, spec: QuantSpec, axis: int):
+def clip_to_rms(x, spec: QuantSpec, axis: int):
+    """``x`` clipped to ``+-spec.clip_rms * RMS`` along ``axis`` (QuEST); unchanged when the
+    spec has no ``clip_rms``. The kernels' path runs the same operations (the same bits)."""
     if spec.clip_rms is None:
         return x
     rms = jnp.sqrt(jnp.mean(jnp.square(x), axis=axis, keepdims=True))
@@ -135,7 +138,7 @@ def quantize_operand(
             and not two_d and not packed)
     if hadamard is not None and not fuse:
         x = hadamard_along(x, axis, hadamard, signs)
-    x = _clip_rms(x, spec, axis)
+    x = clip_to_rms(x, spec, axis)
     rounding_key = key if spec.stochastic else None
     if spec.granularity == "tensor":
         v, scale = _tensor_quantize(x, spec, rounding_key)

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from lowbit import formats as _formats
-from lowbit.operand import hadamard_along
+from lowbit.operand import clip_to_rms, hadamard_along
 from lowbit.recipes import QuantSpec
 from pallas_kernels._common import is_pow2
 from pallas_kernels.block_scaled_matmul import get_default as _matmul_default
@@ -81,16 +80,6 @@ def kernel_supports(spec_a: QuantSpec | None, spec_b: QuantSpec | None) -> tuple
     return True, ""
 
 
-def _condition(x, spec: QuantSpec, axis: int):
-    """The XLA part of ``quantize_operand`` before the quantizer: RMS clipping along the
-    contraction axis (the same operations, so the same bits)."""
-    if spec.clip_rms is not None:
-        rms = jnp.sqrt(jnp.mean(jnp.square(x), axis=axis, keepdims=True))
-        bound = np.float32(spec.clip_rms) * rms
-        x = jnp.clip(x, -bound, bound)
-    return x
-
-
 def _kernel_operand(x, spec: QuantSpec | None, axis: int, key, interpret: bool, hadamard,
                     signs):
     """A QArray quantized along ``axis`` by the Pallas kernel, or ``x`` (None spec)."""
@@ -98,7 +87,7 @@ def _kernel_operand(x, spec: QuantSpec | None, axis: int, key, interpret: bool, 
         x = hadamard_along(x, axis, hadamard, signs)
     if spec is None:
         return x
-    x = _condition(x, spec, axis)
+    x = clip_to_rms(x, spec, axis)
     fmt = _formats.get(spec.format)
     return quantize_pallas(
         x,
