@@ -1,25 +1,34 @@
-"""Linen: rules applied by interception equal the same model written with lowbit by hand (outputs
-and gradients, bit for bit); unmatched modules equal the float model; the "quant" stream
-drives stochastic rounding; packed inference equals fake-quantized inference; jit and sharding.
+"""Linen: the shared Flax integration tests (``tests/flax_base.py``) through a Linen adapter,
+and what only Linen has: rules applied by interception (also inside ``@nn.compact`` and nested
+modules), keys drawn from ``apply(..., rngs={"quant": key})``, the ``nn.Einsum`` stand-in,
+packed modules that take packed params, ``implementation`` as a static (hashable) field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding
 
-import lowbit as lb
 import lowbit.flax as lbf
 from lowbit.flax import linen as lbl
-
-B, T, D = 2, 16, 32  # T = 16: NVFP4's wgrad Hadamard runs along the token axis
+from tests.flax_base import (
+    BAD_IMPLEMENTATION,
+    FWD_RULES,
+    NET_MODULES,
+    Adapter,
+    D,
+    FlaxIntegrationBase,
+    assert_trees_equal,
+    example_x,
+)
 
 
 class HandEinsum(nn.Module):
@@ -61,15 +70,7 @@ class Net(nn.Module):
         return x + nn.Dense(D, name="down", dot_general=o.get("down"))(h)
 
 
-RULES = [
-    (r"attn/attn_scores", "mxfp8"),
-    (r"attn/attn_values", "qat_mxfp6"),
-    (r"attn/.*", "none"),  # query/key/value/out projections stay in float
-    (r"proj", "qat_mxfp4"),
-    (r"mix", "qat_mxfp8"),
-    (r"up", "nvfp4"),  # stochastic rounding of gradients: needs the quant stream
-]
-HAND = (
+HAND = (  # Net's lowbit ops by hand, as RULES say
     ("qk", functools.partial(lbl.Einsum, "mxfp8")),
     ("pv", functools.partial(lbl.Einsum, "qat_mxfp6")),
     ("proj", lbl.DotGeneral("qat_mxfp4")),
@@ -84,109 +85,141 @@ class MLP(nn.Module):
         return nn.Dense(D, name="down")(nn.gelu(nn.Dense(64, name="up")(x)))
 
 
-@pytest.fixture(scope="module")
-def data():
-    x = jax.random.normal(jax.random.key(0), (B, T, D))
-    params = jax.jit(Net().init)(jax.random.key(1), x)["params"]
-    ct = jax.random.normal(jax.random.key(2), (B, T, D))
-    return x, params, ct
-
-
-@pytest.fixture(scope="module")
-def mlp_params(data):
-    return jax.jit(MLP().init)(jax.random.key(3), data[0])["params"]
+@functools.cache
+def _net_params():
+    return jax.jit(Net().init)(jax.random.key(1), example_x())["params"]
 
 
 @functools.cache
-def _vg(model):
-    """jit(value_and_grad) of ``sum(model(x) * ct)`` w.r.t. params and x; key an argument."""
+def _mlp_params():
+    return jax.jit(MLP().init)(jax.random.key(3), example_x())["params"]
 
-    def loss(p, x, ct, key):
-        y = model.apply({"params": p}, x, rngs={"quant": key})
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LinenModel:
+    """A Linen model for the shared tests: the module, its params, the quant key's seed
+    (None: ``apply`` gets no ``"quant"`` stream)."""
+
+    module: nn.Module
+    params: Any
+    seed: int | None = None
+
+    def rngs(self) -> dict:
+        return {} if self.seed is None else {"quant": jax.random.key(self.seed)}
+
+
+@functools.cache
+def _vg(module):
+    """jit(value_and_grad) of ``sum(module(x) * ct)`` w.r.t. params and x; rngs an argument."""
+
+    def loss(p, x, ct, rngs):
+        y = module.apply({"params": p}, x, rngs=rngs)
         return jnp.sum(y * ct), y
 
-    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-
-    def run(params, x, ct, key):
-        (_, y), g = f(params, x, ct, key)
-        return y, g
-
-    return run
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
 @functools.cache
-def _fwd(model):
-    return jax.jit(lambda p, x: model.apply({"params": p}, x))
+def _fwd(module):
+    return jax.jit(lambda p, x, rngs: module.apply({"params": p}, x, rngs=rngs))
 
 
-def _assert_trees_equal(a, b):
-    jax.tree.map(lambda u, v: np.testing.assert_array_equal(np.asarray(u), np.asarray(v)), a, b)
+@functools.cache
+def _outputs(module):
+    def run(p, x):
+        return module.apply({"params": p}, x, capture_intermediates=True)[1]["intermediates"]
+
+    return jax.jit(run)
 
 
-def test_rules_equal_hand_written(data):
-    x, params, ct = data
-    key = jax.random.key(7)
-    y_rules, g_rules = _vg(lbf.quantize(Net(), RULES))(params, x, ct, key)
-    y_hand, g_hand = _vg(Net(ops=HAND))(params, x, ct, key)
-    _assert_trees_equal(y_rules, y_hand)
-    _assert_trees_equal(g_rules, g_hand)
-    assert not np.array_equal(y_rules, _fwd(Net())(params, x))  # something was quantized
-    # The wrapper keeps the parameter tree (nn.share_scope).
-    shapes = jax.eval_shape(lbf.quantize(Net(), RULES).init, jax.random.key(1), x)["params"]
-    assert jax.tree.structure(shapes) == jax.tree.structure(params)
+class LinenAdapter(Adapter):
+    dense, dense_general, einsum = "Dense", "DenseGeneral", "Einsum"
+    missing_stream = r"module 'up' uses recipe 'nvfp4'.*'quant' rng stream"
+    op_types = (lbl.DotGeneral, lbl.Einsum)
+
+    def net(self):
+        return LinenModel(Net(), _net_params())
+
+    def hand(self, seed):
+        return LinenModel(Net(ops=HAND), _net_params(), seed)
+
+    def mlp(self):
+        return LinenModel(MLP(), _mlp_params())
+
+    def quantize(self, model, rules, *, seed=None, **kwargs):
+        return LinenModel(lbf.quantize(model.module, rules, **kwargs), model.params, seed)
+
+    def step(self, model, x, ct):
+        (_, y), (g, gx) = _vg(model.module)(model.params, x, ct, model.rngs())
+        return y, g, gx
+
+    def forward(self, model, x):
+        return _fwd(model.module)(model.params, x, model.rngs())
+
+    def forward_shape(self, model, x):
+        return jax.eval_shape(
+            lambda p, x: model.module.apply({"params": p}, x, rngs=model.rngs()), model.params, x
+        )
+
+    def outputs(self, model, x):
+        inter = _outputs(model.module)(model.params, x)
+        return {name: inter[name] for name in NET_MODULES}
+
+    def params(self, model):
+        return model.params
+
+    def init_params(self, model, x):
+        return jax.eval_shape(model.module.init, jax.random.key(1), x)["params"]
+
+    def sites(self, model, rules, x, **kwargs):
+        return lbf.sites(model.module, rules, x, **kwargs)
+
+    def describe(self, model, rules, x, **kwargs):
+        return lbf.describe(model.module, rules, x, **kwargs)
+
+    def pack(self, model, rules, x, abstract=False):
+        sites = lbf.sites(model.module, rules, x)
+        pack = lambda p: lbf.pack(p, rules, sites=sites)  # noqa: E731
+        return jax.eval_shape(pack, model.params) if abstract else jax.jit(pack)(model.params)
+
+    def serve(self, model, rules, packed, **kwargs):
+        return LinenModel(lbf.quantize(model.module, rules, packed=True, **kwargs), packed)
+
+    def shard(self, model, mesh, spec):
+        place = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+        return dataclasses.replace(model, params=jax.tree.map(place, model.params, spec))
 
 
-def test_unmatched_modules_are_the_float_model(data):
-    x, params, ct = data
-    key = jax.random.key(7)
-    y_float, g_float = _vg(Net())(params, x, ct, key)
-    y, g = _vg(lbf.quantize(Net(), [(r"nothing", "mxfp4"), (r".*", "none")]))(params, x, ct, key)
-    _assert_trees_equal(y, y_float)
-    _assert_trees_equal(g, g_float)
+class TestLinen(FlaxIntegrationBase):
+    adapter = LinenAdapter()
 
-    # Only the last layer quantized: every module before it computes the float values.
-    def inter(model):
-        return jax.jit(lambda p, x: model.apply({"params": p}, x, capture_intermediates=True))(
-            params, x
-        )[1]["intermediates"]
+    def check_packed(self, model, packed, sites, x, y_fake):
+        # unpack right before a plain apply, under the serving interceptor: the same computation
+        def unpacked_apply(p, x):
+            with lbl.intercept(FWD_RULES, packed=True):
+                return Net().apply({"params": lbf.unpack(p)}, x)
 
-    inter_q, inter_f = inter(lbf.quantize(Net(), [(r"down", "mxfp4")])), inter(Net())
-    for name in ("norm", "attn", "proj", "mix", "up"):
-        _assert_trees_equal(inter_q[name], inter_f[name])
-    assert not np.array_equal(inter_q["down"]["__call__"][0], inter_f["down"]["__call__"][0])
+        np.testing.assert_array_equal(jax.jit(unpacked_apply)(packed, x), y_fake)
 
 
-def test_quant_stream_drives_stochastic_rounding(data, mlp_params):
-    x, _, ct = data
-    run = _vg(lbf.quantize(MLP(), [(r"up|down", "nvfp4")]))
-    y1, g1 = run(mlp_params, x, ct, jax.random.key(1))
-    y1b, g1b = run(mlp_params, x, ct, jax.random.key(1))
-    y2, g2 = run(mlp_params, x, ct, jax.random.key(2))
-    _assert_trees_equal(g1, g1b)
-    np.testing.assert_array_equal(y1, y2)  # NVFP4's forward rounds to nearest
-    assert not np.array_equal(g1[0]["up"]["kernel"], g2[0]["up"]["kernel"])
-    assert not np.array_equal(g1[1], g2[1])
+# --------------------------------------------------------------------------------------------
+# Linen only
 
 
-def test_missing_quant_stream(data, mlp_params):
-    x, _, _ = data
+def test_missing_quant_stream_init_and_outside_a_module():
+    x = example_x()
     q = lbf.quantize(MLP(), [(r"up", "nvfp4")])
-    with pytest.raises(ValueError, match=r"module 'up' uses recipe 'nvfp4'.*'quant' rng stream"):
-        jax.eval_shape(lambda p: q.apply({"params": p}, x), mlp_params)
     # init needs no quant stream and gives the float model's parameters
-    _assert_trees_equal(jax.jit(q.init)(jax.random.key(3), x)["params"], mlp_params)
-    # recipes that need no key need no stream
-    q = lbf.quantize(MLP(), [(r"up", "qat_nvfp4"), (r"down", "mxfp8")])
-    assert jax.eval_shape(lambda p: q.apply({"params": p}, x), mlp_params).shape == x.shape
+    assert_trees_equal(jax.jit(q.init)(jax.random.key(3), x)["params"], _mlp_params())
     # by hand, outside any module
     dg = lbl.DotGeneral("nvfp4")
     with pytest.raises(ValueError, match="outside a bound Flax Linen module"):
         dg(jnp.ones((16, 32)), jnp.ones((32, 8)), (((1,), (0,)), ((), ())))
 
 
-def test_linen_einsum_equivalent_is_nn_einsum(data):
+def test_linen_einsum_equivalent_is_nn_einsum():
     """The interceptor's stand-in for nn.Einsum.__call__ is nn.Einsum (bit for bit)."""
-    x, _, _ = data
+    x = example_x()
     layer = nn.Einsum((D, 2, D), "btd,dkf->btkf")
     v = layer.init(jax.random.key(0), x)
 
@@ -200,104 +233,25 @@ def test_linen_einsum_equivalent_is_nn_einsum(data):
     np.testing.assert_array_equal(y, layer.apply(v, x))
 
 
-FWD_RULES = [
-    (r"attn/attn_scores", "mxfp8"),
-    (r"attn/(query|key|value)", "qat_mxfp8"),
-    (r"attn/out", "qat_nvfp4"),  # DenseGeneral over (heads, head_dim): rank-3 weight
-    (r"proj", "qat_mxfp4"),
-    (r"mix", "qat_mxfp6"),
-    (r"up", "nvfp4"),  # training recipe: 16x16 NVFP4 weight tiles in the forward
-    (r"down", "mxfp4_bwd"),  # high-precision forward: the weight stays float
-]
-
-
-def test_packed_inference_equals_fake_quant(data):
-    x, params, _ = data
-    sites = lbf.sites(Net(), FWD_RULES, x)
-    by_path = {s.path: s for s in sites}
-    assert by_path["attn/out"].layout == lbf.Layout(1, 2)
-    assert by_path["mix"].kind == "einsum" and by_path["attn/attn_values"].recipe is None
-    packed = jax.jit(lambda p: lbf.pack(p, FWD_RULES, sites=sites))(params)
-    assert isinstance(packed["up"]["kernel"], lb.QArray)
-    assert packed["up"]["kernel"].block_shape == (16, 16)
-    assert not isinstance(packed["down"]["kernel"], lb.QArray)
-    assert lbf.packed_nbytes(packed) < lbf.packed_nbytes(params) / 2
-    fake = lbf.quantize(Net(), FWD_RULES)
-    serve = lbf.quantize(Net(), FWD_RULES, packed=True)
-    key = jax.random.key(0)  # the training recipe 'nvfp4' asks for a quant stream
-    y_fake = jax.jit(lambda p, x: fake.apply({"params": p}, x, rngs={"quant": key}))(params, x)
-    y_packed = jax.jit(lambda p, x: serve.apply({"params": p}, x))(packed, x)
-    np.testing.assert_array_equal(y_packed, y_fake)
-    # unpack right before a plain apply, under the serving interceptor: the same computation
-
-    def unpacked_apply(p, x):
-        with lbl.intercept(FWD_RULES, packed=True):
-            return Net().apply({"params": lbf.unpack(p)}, x)
-
-    np.testing.assert_array_equal(jax.jit(unpacked_apply)(packed, x), y_fake)
-
-
-def test_packed_module_rejects_float_params(data, mlp_params):
-    x, _, _ = data
+def test_packed_module_rejects_float_params():
     serve = lbf.quantize(MLP(), [(r"up", "qat_mxfp4")], packed=True)
     with pytest.raises(ValueError, match="params without any QArray: pack them first"):
-        jax.eval_shape(lambda p: serve.apply({"params": p}, x), mlp_params)
+        jax.eval_shape(lambda p: serve.apply({"params": p}, example_x()), _mlp_params())
     with pytest.raises(TypeError, match="pass example inputs"):
         lbf.describe(MLP(), [(r"up", "qat_mxfp4")])
 
 
-def test_pack_needs_layouts_for_rank3_kernels(data):
-    _, params, _ = data
+def test_pack_needs_layouts_for_rank3_kernels():
+    params = _net_params()
     with pytest.raises(ValueError, match=r"contraction axis of 'attn/out/kernel'"):
         lbf.pack(params, [(r"attn/out", "qat_mxfp4")])
     with pytest.raises(ValueError, match="Hadamard"):
         lbf.pack(params, [(r"up", "quartet")])
 
 
-def test_sharded_params_under_jit(mlp_params):
-    """Megatron-style sharding over 4 devices (up: output features, down: input features)
-    and a batch-sharded input; GSPMD (Auto) mesh. The forward equals the unsharded one bit
-    for bit (blocks run along unsharded axes or whole shards); gradients to rounding."""
-    x = jax.random.normal(jax.random.key(5), (4, T, D))
-    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    spec = {
-        "up": {"kernel": P(None, "model"), "bias": P("model")},
-        "down": {"kernel": P("model", None), "bias": P()},
-    }
-    sharded = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), mlp_params, spec)
-    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
-    assert len(sharded["up"]["kernel"].sharding.device_set) == 4
-    q = lbf.quantize(MLP(), [(r"up|down", "qat_mxfp4")])
-    f = _fwd(q)
-    y = f(sharded, xs)
-    assert y.sharding.spec[0] == "data"
-    np.testing.assert_array_equal(y, f(mlp_params, x))
-    ct = jnp.ones_like(x)
-    _, g_sharded = _vg(q)(sharded, xs, ct, jax.random.key(0))
-    _, g = _vg(q)(mlp_params, x, ct, jax.random.key(0))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), g_sharded, g)
-
-
-def test_describe_linen(data, capsys):
-    x, _, _ = data
-    rows = lbf.describe(Net(), FWD_RULES, x)
-    out = capsys.readouterr().out
-    by = {r.path: r for r in rows}
-    assert by["proj"].bits_per_param == 4.25 and by["proj"].recipe == "qat_mxfp4"
-    assert by["up"].bits_per_param == 4 + 8 / 256  # NVFP4 16x16 tiles
-    assert by["down"].bits_per_param == 32.0  # mxfp4_bwd keeps the forward weight
-    assert by["attn/attn_scores"].kind == "attn_scores" and by["attn/attn_scores"].params == 0
-    assert by["mix"].module == "Einsum" and by["up"].module == "Dense"
-    total = rows[-1]
-    n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(data[1]))
-    assert total.path == "total" and total.params == n
-    assert 4.0 < total.bits_per_param < 32.0
-    assert "up" in out and "bits/param" in out and "total" in out
-
-
-def test_nesting(data, mlp_params):
+def test_nesting():
     """A quantized module nested in a larger model: paths are relative to the wrapped one."""
-    x, _, _ = data
+    x, mlp_params = example_x(), _mlp_params()
     rules = [(r"up", "qat_mxfp4")]
 
     class Outer(nn.Module):
@@ -308,5 +262,27 @@ def test_nesting(data, mlp_params):
     shapes = jax.eval_shape(Outer().init, jax.random.key(1), x)["params"]
     (name,) = shapes  # one child holding the MLP's parameters
     assert jax.tree.structure(shapes[name]) == jax.tree.structure(mlp_params)
-    y = _fwd(Outer())({name: mlp_params}, x)
-    np.testing.assert_array_equal(y, _fwd(lbf.quantize(MLP(), rules))(mlp_params, x) * 2.0)
+    y = _fwd(Outer())({name: mlp_params}, x, {})
+    np.testing.assert_array_equal(y, _fwd(lbf.quantize(MLP(), rules))(mlp_params, x, {}) * 2.0)
+
+
+def test_implementation_is_a_static_field():
+    """``implementation`` is a hashable dataclass field of the module and of the ops it
+    injects: jit caches (and Linen's module identity) tell implementations apart; clone()
+    keeps it; intercept() validates it."""
+    rules = [(r"up", "qat_mxfp4")]
+    q = lbf.quantize(MLP(), rules, implementation="pallas")
+    assert q.implementation == "pallas" and q.clone().implementation == "pallas"
+    assert hash(q) == hash(lbf.quantize(MLP(), rules, implementation="pallas"))
+    assert q != lbf.quantize(MLP(), rules, implementation="xla")
+    assert lbf.quantize(MLP(), rules).implementation is None
+    op = lbl.DotGeneral("qat_mxfp4", implementation="xla")
+    assert hash(op) == hash(lbl.DotGeneral("qat_mxfp4", implementation="xla"))
+    assert op != lbl.DotGeneral("qat_mxfp4")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        op.implementation = "pallas"
+    with pytest.raises(ValueError, match=BAD_IMPLEMENTATION):
+        with lbl.intercept(rules, implementation="cuda"):
+            pass
+    with pytest.raises(ValueError, match=BAD_IMPLEMENTATION):
+        lbl.Quantized(MLP(), lbf.Rules.of(rules), implementation="cuda")
