@@ -35,18 +35,9 @@ hold it as a static attribute); :func:`describe` shows it per site.
 
 from __future__ import annotations
 
+from lowbit.dot_general import IMPLEMENTATIONS, check_implementation
 from lowbit.flax import checkpoint, linen, nnx
-from lowbit.flax._core import (
-    ATTN_SCORES,
-    ATTN_VALUES,
-    IMPLEMENTATIONS,
-    Layout,
-    Rule,
-    Rules,
-    Site,
-    check_implementation,
-    framework,
-)
+from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Layout, Rule, Rules, Site, framework
 from lowbit.flax.checkpoint import CheckpointError, restore, save
 from lowbit.flax.packing import Row, describe, pack, packed_nbytes, sites, unpack
 

@@ -28,11 +28,10 @@ from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 ATTN_SCORES = "attn_scores"
 ATTN_VALUES = "attn_values"
 QUANT_STREAM = "quant"
-IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
 # --------------------------------------------------------------------------------------------
-# Frameworks and implementations
+# Frameworks
 
 
 def framework(model) -> str:
@@ -47,32 +46,6 @@ def framework(model) -> str:
     raise TypeError(
         f"expected a flax.linen Module or a flax.nnx Module, got {type(model).__name__}"
     )
-
-
-def check_implementation(implementation, name: str = "implementation") -> str | None:
-    """``implementation`` if it is one of :data:`IMPLEMENTATIONS` (what
-    :func:`lowbit.dot_general` runs), else a ValueError naming the argument.
-
-    >>> check_implementation("pallas")
-    'pallas'
-    >>> check_implementation("cuda")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ValueError: implementation must be one of (None, 'xla', 'pallas') (...), got 'cuda'
-    """
-    if implementation is not None and not (
-        isinstance(implementation, str) and implementation in IMPLEMENTATIONS
-    ):
-        raise ValueError(
-            f"{name} must be one of {IMPLEMENTATIONS} (None: the best available for the "
-            f"backend), got {implementation!r}"
-        )
-    return implementation
-
-
-def implementation_kwargs(implementation: str | None) -> dict[str, str]:
-    """The keyword arguments that pass ``implementation`` on to :func:`lowbit.dot_general`:
-    none for None, so that its own default (the best for the backend) applies."""
-    return {} if implementation is None else {"implementation": implementation}
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,7 +209,7 @@ def qdot_general(
             key=key,
             preferred_element_type=preferred_element_type,
             precision=precision,
-            **implementation_kwargs(implementation),
+            implementation=implementation,
         )
     if out_sharding is not None:
         y = jax.lax.with_sharding_constraint(y, out_sharding)
@@ -297,7 +270,7 @@ def qeinsum(
         recipe=recipe,
         key=key,
         preferred_element_type=preferred_element_type,
-        **implementation_kwargs(implementation),
+        implementation=implementation,
     )
     if out_sharding is not None:
         y = jax.lax.with_sharding_constraint(y, out_sharding)

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax.linen import module as _module
 
 from lowbit import recipes as _recipes
+from lowbit.dot_general import check_implementation
 from lowbit.flax import _core
 from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Recipe, Rules
 
@@ -88,7 +89,7 @@ class DotGeneral:
 
     def __post_init__(self):
         object.__setattr__(self, "recipe", _recipes.get(self.recipe))
-        _core.check_implementation(self.implementation)
+        check_implementation(self.implementation)
 
     def __call__(
         self,
@@ -138,7 +139,7 @@ class Einsum:
 
     def __post_init__(self):
         object.__setattr__(self, "recipe", _recipes.get(self.recipe))
-        _core.check_implementation(self.implementation)
+        check_implementation(self.implementation)
 
     def __call__(self, subscripts, lhs, rhs, precision=None, preferred_element_type=None, **kwargs):
         rec = _RECORDER.get()
@@ -306,7 +307,7 @@ def intercept(
     >>> bool(jnp.all(y == model.apply(v, x)))
     False
     """
-    impl = _core.check_implementation(implementation)
+    impl = check_implementation(implementation)
     with nn.intercept_methods(_Interceptor(Rules.of(rules), packed, tuple(root), impl)):
         yield
 
@@ -332,7 +333,7 @@ class Quantized(nn.Module):
     implementation: str | None = None
 
     def __post_init__(self):
-        _core.check_implementation(self.implementation)
+        check_implementation(self.implementation)
         super().__post_init__()
 
     def setup(self):
@@ -378,7 +379,7 @@ def quantize(
     """See :func:`lowbit.flax.quantize`."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a flax.linen Module, got {type(module).__name__}")
-    impl = _core.check_implementation(implementation)
+    impl = check_implementation(implementation)
     if module.scope is not None:
         module = module.clone(parent=None)
     return Quantized(module, Rules.of(rules), packed=packed, method=method, implementation=impl)
@@ -397,7 +398,7 @@ def sites(
     recipe None, when they are Dense / DenseGeneral / Einsum / attention modules;
     ``implementation`` is recorded on those a rule quantizes."""
     rules = Rules.of(rules)
-    _core.check_implementation(implementation)
+    check_implementation(implementation)
     if not args and not kwargs:
         raise TypeError(
             "a Linen module creates its submodules when called: pass example inputs "

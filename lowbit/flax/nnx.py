@@ -23,6 +23,7 @@ from flax.linen import attention as _linen_attention
 from flax.nnx.nn import dtypes as _dtypes
 
 from lowbit import recipes as _recipes
+from lowbit.dot_general import check_implementation
 from lowbit.flax import _core
 from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Recipe, Rules
 
@@ -74,7 +75,7 @@ class DotGeneral(nnx.Module):
         implementation: str | None = None,
     ):
         self.recipe = _recipes.get(recipe)
-        self.implementation = _core.check_implementation(implementation)
+        self.implementation = check_implementation(implementation)
         self.stream = nnx.data(_stream(rngs, (self.recipe,), f"DotGeneral({self.recipe.name!r})"))
 
     def __call__(
@@ -118,7 +119,7 @@ class Einsum(nnx.Module):
         implementation: str | None = None,
     ):
         self.recipe = _recipes.get(recipe)
-        self.implementation = _core.check_implementation(implementation)
+        self.implementation = check_implementation(implementation)
         self.stream = nnx.data(_stream(rngs, (self.recipe,), f"Einsum({self.recipe.name!r})"))
 
     def __call__(
@@ -162,7 +163,7 @@ class Attention(nnx.Module):
     ):
         self.scores = _recipes.get(scores)
         self.values = _recipes.get(values)
-        self.implementation = _core.check_implementation(implementation)
+        self.implementation = check_implementation(implementation)
         where = f"Attention({self.scores.name!r}, {self.values.name!r})"
         self.stream = nnx.data(_stream(rngs, (self.scores, self.values), where))
 
@@ -246,7 +247,7 @@ def sites(model: nnx.Module, rules, *, implementation: str | None = None) -> lis
     """The quantizable sites of an NNX model (no tracing: read from the module graph);
     ``implementation`` is recorded on the sites that a rule quantizes."""
     rules = Rules.of(rules)
-    _core.check_implementation(implementation)
+    check_implementation(implementation)
 
     def site(path, kind, name, *rest):
         impl = implementation if rules.active(path) is not None else None
@@ -290,7 +291,7 @@ def quantize(
     ``packed=True`` builds the serving structure :class:`PackedModel` uses: its weights must
     then be ``unpack(pack(...))``; with float weights they would enter unquantized."""
     rules = Rules.of(rules)
-    impl = _core.check_implementation(implementation)
+    impl = check_implementation(implementation)
     new = nnx.clone(model)
     plan: list[tuple[Any, str, Any]] = []
     for path, m in nnx.iter_modules(new):
@@ -375,7 +376,7 @@ class PackedModel(nnx.Module):
         from lowbit.flax.packing import pack
 
         rules = Rules.of(rules)
-        _core.check_implementation(implementation)
+        check_implementation(implementation)
         if packed is None:
             packed = pack(model, rules)
         serving = quantize(model, rules, rngs=rngs, packed=True, implementation=implementation)

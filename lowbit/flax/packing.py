@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 import lowbit as lb
+from lowbit.dot_general import check_implementation, resolve_implementation
 from lowbit.flax import _core
 from lowbit.flax._core import Layout, Rules, Site
 
@@ -202,7 +203,7 @@ def describe(
     4680
     """
     rules = Rules.of(rules)
-    _core.check_implementation(implementation)
+    check_implementation(implementation)
     fw = _core.framework(model)
     if fw == "nnx":
         from flax import nnx
@@ -269,6 +270,11 @@ def format_rows(
     ]
     lines.insert(1, "-" * len(lines[0]))
     lines.insert(len(lines) - 1, "-" * len(lines[0]))
+    if any(row[4] == "auto" for row in table[1:]):
+        lines.append(
+            f"impl auto: the best available for the backend "
+            f"({resolve_implementation(None)!r} on {jax.default_backend()})"
+        )
     if rules is not None and site_list is not None:
         unused = [
             r.pattern for r in rules.rules if not any(r.regex.fullmatch(s.path) for s in site_list)
