@@ -1,29 +1,41 @@
-"""Speed of one training step of a small GPT per recipe, against the unquantized step.
+"""Speed of one training step per recipe, against the unquantized step, for two models.
 
-    .venv/bin/python benchmarks/bench_step.py                    # full model, 10 rounds
-    .venv/bin/python benchmarks/bench_step.py --quick            # tiny smoke run
-    .venv/bin/python benchmarks/bench_step.py --recipes none,mxfp4,nvfp4 --runs 20
+    .venv/bin/python benchmarks/bench_step.py                    # the GPT, 10 rounds
+    .venv/bin/python benchmarks/bench_step.py --model mlp        # the GEMM-dominated MLP stack
+    .venv/bin/python benchmarks/bench_step.py --quick            # tiny smoke run (either model)
+    .venv/bin/python benchmarks/bench_step.py --recipes none,mxfp4,nvfp4 --runs 20 \
+        --implementation xla
 
-The model is a decoder-only transformer in Flax Linen: byte-level vocabulary (256), learned
-positions, ``layers`` pre-LayerNorm blocks of causal multi-head attention and a 4x GELU MLP,
-a final LayerNorm and an LM head. Every linear layer inside the blocks (qkv, attention output,
-MLP in and out) multiplies through ``lowbit.dot_general(x, w, dims, recipe=..., key=...)``; the
-embeddings, the LM head and the attention score / value einsums stay in float32. The key is new
+``--model gpt`` (default): a decoder-only transformer in Flax Linen: byte-level vocabulary
+(256), learned positions, ``layers`` pre-LayerNorm blocks of causal multi-head attention and a
+4x GELU MLP, a final LayerNorm and an LM head. Every linear layer inside the blocks (qkv,
+attention output, MLP in and out) multiplies through ``lowbit.dot_general(x, w, dims,
+recipe=..., key=...)``; the embeddings, the LM head and the attention score / value einsums stay
+in float32. One step is ``value_and_grad`` of the next-token cross-entropy and one optax AdamW
+update. Full size: d_model 256, 4 layers, 4 heads, batch 16, sequence 256. ``--quick``: d_model
+64, 1 layer, batch 2, sequence 64.
+
+``--model mlp``: the GEMM-dominated stack, where the quantized GEMMs are nearly the whole step:
+4 residual blocks ``x + W2 gelu(W1 x)`` on ``x [4096, 256]`` (4096 tokens, d 256, FFN 1024:
+``W1 [256, 1024]``, ``W2 [1024, 256]``), every ``W`` through ``lowbit.dot_general``, one SGD
+step of the mean square of the output. ``--quick``: 2 blocks, d 64, FFN 256, 256 tokens.
+
+Both: float32 (the ``none`` recipe is the model's own dtype); the key of the quantizers is new
 every step (folded from the step counter) and per layer (folded with the block and the linear's
-index). One step is ``value_and_grad`` of the next-token cross-entropy and one optax AdamW
-update, jitted with the train state donated.
-
-Full size: d_model 256, 4 layers, 4 heads, batch 16, sequence 256 (float32: the ``none``
-recipe is the model's own dtype). ``--quick``: d_model 64, 1 layer, batch 2, sequence 64,
-2 rounds.
+index); the step is one ``jax.jit`` with the train state donated. ``--implementation``
+(``xla`` | ``pallas``; omitted: None, the best for the backend) is ``lowbit.dot_general``'s
+``implementation=`` for every quantized GEMM.
 
 Every recipe starts from the same initial parameters and batch, and all are timed in one
 process, interleaved round-robin (``common.py``): the table gives each median step time over
-the ``none`` recipe's. Bounds the project holds itself to: QAT recipes (``qat_*``) <= 1.15x;
-FQT ``mxfp4`` and ``nvfp4`` <= 1.6x; ``quartet`` <= 1.8x; the others are reported only. Each
-row also says whether the loss of every step and the parameters after the last one are finite.
+the ``none`` recipe's. Bounds the project holds itself to (:func:`bound`), GPT: QAT recipes
+(``qat_*``) <= 1.15x, FQT ``mxfp4`` and ``nvfp4`` <= 1.6x, ``quartet`` <= 1.8x; MLP stack: MX
+recipes (``mxfp8``, ``mxfp6``, ``mxfp4``) and ``qat_*`` <= 1.15x, ``nvfp4`` and ``mxfp4_bwd``
+<= 1.4x, ``quartet`` <= 1.5x; the others are reported only. Each row also says whether the loss
+of every step and the parameters after the last one are finite.
 
-Results go to ``--out`` (default ``benchmarks/results/bench_step.json``).
+Results go to ``--out`` (default ``benchmarks/results/bench_step.json``, or
+``bench_step_mlp.json`` for the MLP stack).
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ import numpy as np
 import optax
 
 import lowbit as lb
+from lowbit.dot_general import check_implementation
 
 try:  # imported as benchmarks.bench_step (tests, python -m)
     from benchmarks import common
@@ -66,7 +79,11 @@ DEFAULT_RECIPES = (
     "quartet",
     "mxfp4_bwd",
 )
-DEFAULT_OUT = common.RESULTS_DIR / "bench_step.json"
+MODELS = ("gpt", "mlp")
+DEFAULT_OUT = {
+    "gpt": common.RESULTS_DIR / "bench_step.json",
+    "mlp": common.RESULTS_DIR / "bench_step_mlp.json",
+}
 QUICK_RUNS = 2
 VOCAB = 256  # bytes
 
@@ -84,14 +101,36 @@ class ModelConfig:
     vocab: int = VOCAB
 
 
+@dataclasses.dataclass(frozen=True)
+class MLPConfig:
+    """Shape of the MLP stack: ``blocks`` residual blocks ``x + W2 gelu(W1 x)`` on
+    ``x [tokens, d_model]``, ``W1 [d_model, d_ff]``, ``W2 [d_ff, d_model]``."""
+
+    d_model: int = 256
+    d_ff: int = 1024
+    blocks: int = 4
+    tokens: int = 4096
+
+
 FULL = ModelConfig()
 QUICK = ModelConfig(d_model=64, layers=1, batch=2, seq=64)
+MLP_FULL = MLPConfig()
+MLP_QUICK = MLPConfig(d_model=64, d_ff=256, blocks=2, tokens=256)
+MLP_LR = 0.05  # SGD: the mean square of the output falls steadily (0.2 diverges at full size)
+
+_MX = ("mxfp8", "mxfp6", "mxfp4")
 
 
-def bound(recipe: str) -> float | None:
+def bound(recipe: str, model: str = "gpt") -> float | None:
     """The most a recipe's step may cost, in multiples of the ``none`` step (None: no bound)."""
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
     if recipe.startswith("qat_"):
         return 1.15
+    if model == "mlp":
+        return {"nvfp4": 1.4, "quartet": 1.5, "mxfp4_bwd": 1.4, **dict.fromkeys(_MX, 1.15)}.get(
+            recipe
+        )
     if recipe in ("mxfp4", "nvfp4"):
         return 1.6
     if recipe == "quartet":
@@ -100,12 +139,7 @@ def bound(recipe: str) -> float | None:
 
 
 # --------------------------------------------------------------------------------------------
-# The model
-
-
-def _row(v_F: jax.Array, ndim: int) -> jax.Array:
-    """A per-feature vector shaped to broadcast against a rank-``ndim`` activation."""
-    return v_F.reshape((1,) * (ndim - 1) + (-1,))
+# The GPT
 
 
 class QDense(nn.Module):
@@ -113,6 +147,7 @@ class QDense(nn.Module):
 
     features: int
     recipe: str
+    implementation: str | None = None
 
     @nn.compact
     def __call__(self, x_BTD: jax.Array, key: jax.Array) -> jax.Array:
@@ -120,7 +155,9 @@ class QDense(nn.Module):
             "kernel", nn.initializers.lecun_normal(), (x_BTD.shape[-1], self.features)
         )
         dims = (((x_BTD.ndim - 1,), (0,)), ((), ()))
-        return lb.dot_general(x_BTD, w_DF, dims, recipe=self.recipe, key=key)
+        return lb.dot_general(
+            x_BTD, w_DF, dims, recipe=self.recipe, key=key, implementation=self.implementation
+        )
 
 
 class Block(nn.Module):
@@ -128,6 +165,7 @@ class Block(nn.Module):
 
     cfg: ModelConfig
     recipe: str
+    implementation: str | None = None
 
     @nn.compact
     def __call__(self, x_BTD: jax.Array, key: jax.Array) -> jax.Array:
@@ -136,21 +174,22 @@ class Block(nn.Module):
         H = cfg.heads
         K = D // H
         keys = [jax.random.fold_in(key, i) for i in range(4)]  # one per linear layer
+        dense = functools.partial(QDense, recipe=self.recipe, implementation=self.implementation)
 
         h_BTD = nn.LayerNorm(name="ln_attn")(x_BTD)
-        qkv_BT3D = QDense(3 * D, self.recipe, name="qkv")(h_BTD, keys[0])
+        qkv_BT3D = dense(3 * D, name="qkv")(h_BTD, keys[0])
         q_BTHK, k_BTHK, v_BTHK = (a.reshape(B, T, H, K) for a in jnp.split(qkv_BT3D, 3, axis=-1))
         s_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BTHK) / np.float32(math.sqrt(K))
         causal_11TS = jnp.tril(jnp.ones((T, T), dtype=bool))[None, None]
         s_BHTS = jnp.where(causal_11TS, s_BHTS, np.float32(-1e30))
         p_BHTS = jax.nn.softmax(s_BHTS, axis=-1)
         o_BTD = jnp.einsum("bhts,bshk->bthk", p_BHTS, v_BTHK).reshape(B, T, D)
-        x_BTD = x_BTD + QDense(D, self.recipe, name="attn_out")(o_BTD, keys[1])
+        x_BTD = x_BTD + dense(D, name="attn_out")(o_BTD, keys[1])
 
         h_BTD = nn.LayerNorm(name="ln_mlp")(x_BTD)
-        h_BTF = QDense(cfg.mlp_ratio * D, self.recipe, name="mlp_in")(h_BTD, keys[2])
+        h_BTF = dense(cfg.mlp_ratio * D, name="mlp_in")(h_BTD, keys[2])
         h_BTF = nn.gelu(h_BTF)
-        return x_BTD + QDense(D, self.recipe, name="mlp_out")(h_BTF, keys[3])
+        return x_BTD + dense(D, name="mlp_out")(h_BTF, keys[3])
 
 
 class GPT(nn.Module):
@@ -158,6 +197,7 @@ class GPT(nn.Module):
 
     cfg: ModelConfig
     recipe: str
+    implementation: str | None = None
 
     @nn.compact
     def __call__(self, tokens_BT: jax.Array, key: jax.Array) -> jax.Array:
@@ -167,11 +207,71 @@ class GPT(nn.Module):
         pos_TD = self.param("pos_embed", nn.initializers.normal(0.02), (cfg.seq, cfg.d_model))
         x_BTD = x_BTD + pos_TD[None, :T]
         for layer in range(cfg.layers):
-            x_BTD = Block(cfg, self.recipe, name=f"block_{layer}")(
+            x_BTD = Block(cfg, self.recipe, self.implementation, name=f"block_{layer}")(
                 x_BTD, jax.random.fold_in(key, layer)
             )
         x_BTD = nn.LayerNorm(name="ln_final")(x_BTD)
         return nn.Dense(cfg.vocab, use_bias=False, name="lm_head")(x_BTD)
+
+
+def gpt_loss(cfg: ModelConfig, recipe: str, implementation: str | None = None):
+    """``loss(params, tokens_BT1, key)``: the next-token cross-entropy of :class:`GPT`."""
+    model = GPT(cfg, recipe, implementation)
+
+    def loss_fn(params, tokens_BT1, key):
+        logits_BTV = model.apply({"params": params}, tokens_BT1[:, :-1], key)
+        return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:]).mean()
+
+    return loss_fn
+
+
+def gpt_params(cfg: ModelConfig, seed: int = 0):
+    """Initial parameters (the same for every recipe: they do not depend on it)."""
+    tokens_BT = jnp.zeros((1, cfg.seq), jnp.int32)
+    params = GPT(cfg, BASELINE).init(jax.random.key(seed), tokens_BT, jax.random.key(0))
+    return params["params"]
+
+
+def make_batch(cfg: ModelConfig, seed: int = 1) -> jax.Array:
+    """Random bytes ``[batch, seq + 1]``: timing does not depend on the text."""
+    return jax.random.randint(jax.random.key(seed), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
+
+
+# --------------------------------------------------------------------------------------------
+# The MLP stack
+
+
+def mlp_params(cfg: MLPConfig, seed: int = 0) -> list[dict[str, jax.Array]]:
+    """``[{"w1": [d, f], "w2": [f, d]}] * blocks``, LeCun-normal (the same for every recipe)."""
+    params = []
+    for i in range(cfg.blocks):
+        k1, k2 = jax.random.split(jax.random.fold_in(jax.random.key(seed), i))
+        d, f = cfg.d_model, cfg.d_ff
+        w1_DF = jax.random.normal(k1, (d, f)) / np.float32(math.sqrt(d))
+        w2_FD = jax.random.normal(k2, (f, d)) / np.float32(math.sqrt(f))
+        params.append({"w1": w1_DF, "w2": w2_FD})
+    return params
+
+
+def mlp_loss(recipe: str, implementation: str | None = None):
+    """``loss(params, x_MD, key)``: the mean square of ``x`` after the residual blocks
+    ``x + W2 gelu(W1 x)``, every ``W`` through ``lowbit.dot_general`` with its own key."""
+    dims = (((1,), (0,)), ((), ()))
+    dot = functools.partial(lb.dot_general, recipe=recipe, implementation=implementation)
+
+    def loss_fn(params, x_MD, key):
+        for i, p in enumerate(params):
+            h_MF = dot(x_MD, p["w1"], dims, key=jax.random.fold_in(key, 2 * i))
+            y_MD = dot(jax.nn.gelu(h_MF), p["w2"], dims, key=jax.random.fold_in(key, 2 * i + 1))
+            x_MD = x_MD + y_MD
+        return jnp.mean(jnp.square(x_MD))
+
+    return loss_fn
+
+
+def make_mlp_input(cfg: MLPConfig, seed: int = 1) -> jax.Array:
+    """Standard-normal activations ``[tokens, d_model]``."""
+    return jax.random.normal(jax.random.key(seed), (cfg.tokens, cfg.d_model))
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,24 +284,19 @@ class TrainState(NamedTuple):
     step: jax.Array
 
 
-def make_step(
-    cfg: ModelConfig, recipe: str, tx: optax.GradientTransformation, seed: int = 0
+def make_train_step(
+    loss_fn: Callable[[Any, jax.Array, jax.Array], jax.Array],
+    tx: optax.GradientTransformation,
+    seed: int = 0,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, jax.Array]]:
-    """``step(state, tokens_BT1) -> (state, loss)``: one AdamW step, jitted, state donated.
-
-    ``tokens_BT1`` holds ``seq + 1`` tokens per row (inputs and shifted targets). The key of
-    the quantizers is ``fold_in(key(seed), state.step)``: new every step.
-    """
-    model = GPT(cfg, recipe)
-
-    def loss_fn(params, tokens_BT1, key):
-        logits_BTV = model.apply({"params": params}, tokens_BT1[:, :-1], key)
-        return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT1[:, 1:]).mean()
+    """``step(state, batch) -> (state, loss)``: one optimizer step of ``loss_fn(params, batch,
+    key)``, jitted, state donated. The key is ``fold_in(key(seed), state.step)``: new every
+    step."""
 
     @functools.partial(jax.jit, donate_argnums=0)
-    def step(state: TrainState, tokens_BT1: jax.Array) -> tuple[TrainState, jax.Array]:
+    def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, jax.Array]:
         key = jax.random.fold_in(jax.random.key(seed), state.step)
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, tokens_BT1, key)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         return TrainState(params, opt_state, state.step + 1), loss
@@ -209,17 +304,71 @@ def make_step(
     return step
 
 
+def make_step(
+    cfg: ModelConfig,
+    recipe: str,
+    tx: optax.GradientTransformation,
+    seed: int = 0,
+    implementation: str | None = None,
+) -> Callable[[TrainState, jax.Array], tuple[TrainState, jax.Array]]:
+    """The GPT's ``step(state, tokens_BT1) -> (state, loss)`` (:func:`make_train_step`);
+    ``tokens_BT1`` holds ``seq + 1`` tokens per row (inputs and shifted targets)."""
+    return make_train_step(gpt_loss(cfg, recipe, implementation), tx, seed)
+
+
 def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int = 0) -> TrainState:
-    """Initial parameters (the same for every recipe: they do not depend on it)."""
-    tokens_BT = jnp.zeros((1, cfg.seq), jnp.int32)
-    params = GPT(cfg, BASELINE).init(jax.random.key(seed), tokens_BT, jax.random.key(0))
-    params = params["params"]
+    """The GPT's initial train state (the same for every recipe)."""
+    params = gpt_params(cfg, seed)
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
 
-def make_batch(cfg: ModelConfig, seed: int = 1) -> jax.Array:
-    """Random bytes ``[batch, seq + 1]``: timing does not depend on the text."""
-    return jax.random.randint(jax.random.key(seed), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one benchmark run trains: a model's shape, optimizer, loss per recipe, batch."""
+
+    model: str
+    cfg: ModelConfig | MLPConfig
+    optimizer: str
+    tx: optax.GradientTransformation
+    loss: Callable[[str, str | None], Callable]  # (recipe, implementation) -> loss_fn
+    params: Callable[[], Any]
+    batch: Callable[[], jax.Array]
+
+    def describe(self) -> str:
+        c = self.cfg
+        if self.model == "mlp":
+            return (
+                f"MLP stack {c.blocks} x (x + W2 gelu(W1 x)), d {c.d_model}, FFN {c.d_ff}, "
+                f"{c.tokens} tokens"
+            )
+        return f"GPT d_model {c.d_model} x {c.layers} layer(s), batch {c.batch} x seq {c.seq}"
+
+
+def workload(model: str, quick: bool = False) -> Workload:
+    """The GPT (AdamW) or the MLP stack (SGD), full size or ``quick``."""
+    if model == "gpt":
+        cfg = QUICK if quick else FULL
+        return Workload(
+            "gpt",
+            cfg,
+            "adamw(1e-3, weight_decay=0.1)",
+            optax.adamw(1e-3, weight_decay=0.1),
+            lambda recipe, impl: gpt_loss(cfg, recipe, impl),
+            lambda: gpt_params(cfg),
+            lambda: make_batch(cfg),
+        )
+    if model == "mlp":
+        cfg = MLP_QUICK if quick else MLP_FULL
+        return Workload(
+            "mlp",
+            cfg,
+            f"sgd({MLP_LR})",
+            optax.sgd(MLP_LR),
+            mlp_loss,
+            lambda: mlp_params(cfg),
+            lambda: make_mlp_input(cfg),
+        )
+    raise ValueError(f"model must be one of {MODELS}, got {model!r}")
 
 
 def count_params(params) -> int:
@@ -245,13 +394,36 @@ def _kind(recipe: lb.recipes.Recipe) -> str:
 # The benchmark
 
 
+def _implementation(value: str) -> str | None:
+    v = value.strip()
+    if v.lower() in ("", "none", "default"):
+        return None
+    try:
+        return check_implementation(v, "--implementation")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--model",
+        choices=MODELS,
+        default="gpt",
+        help="gpt: the transformer (default); mlp: the GEMM-dominated MLP stack",
+    )
     p.add_argument(
         "--recipes",
         default=None,
         help="comma-separated recipe names (default: " + ",".join(DEFAULT_RECIPES) + "); "
         f"{BASELINE!r} is always added as the baseline",
+    )
+    p.add_argument(
+        "--implementation",
+        type=_implementation,
+        default=None,
+        help="lowbit.dot_general's implementation= for every quantized GEMM: xla | pallas "
+        "(default: None, the best for the backend)",
     )
     p.add_argument(
         "--runs",
@@ -268,10 +440,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"smoke run: d_model {QUICK.d_model}, {QUICK.layers} layer, batch {QUICK.batch}, "
-        f"sequence {QUICK.seq}, {QUICK_RUNS} rounds",
+        help=f"smoke run, {QUICK_RUNS} rounds: GPT d_model {QUICK.d_model}, {QUICK.layers} "
+        f"layer, batch {QUICK.batch}, sequence {QUICK.seq}; MLP {MLP_QUICK.blocks} blocks, d "
+        f"{MLP_QUICK.d_model}, FFN {MLP_QUICK.d_ff}, {MLP_QUICK.tokens} tokens",
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON results file (default: benchmarks/results/bench_step.json, "
+        "bench_step_mlp.json for --model mlp)",
+    )
     args = p.parse_args(argv)
     if args.runs is None:
         args.runs = QUICK_RUNS if args.quick else 10
@@ -285,23 +464,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(str(e))
     # The baseline first, then the rest in the order given, duplicates dropped.
     args.recipes = list(dict.fromkeys([BASELINE, *names]))
-    args.cfg = QUICK if args.quick else FULL
+    args.workload = workload(args.model, args.quick)
+    args.cfg = args.workload.cfg
+    if args.out is None:
+        args.out = DEFAULT_OUT[args.model]
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print the table, write the JSON; returns what was written."""
     args = parse_args(argv)
-    cfg = args.cfg
-    tx = optax.adamw(1e-3, weight_decay=0.1)
-    state0 = init_state(cfg, tx)
-    tokens_BT1 = make_batch(cfg)
-    jax.block_until_ready((state0, tokens_BT1))
+    wl: Workload = args.workload
+    params0 = wl.params()
+    state0 = TrainState(params0, wl.tx.init(params0), jnp.zeros((), jnp.int32))
+    batch = wl.batch()
+    jax.block_until_ready((state0, batch))
     n_params = count_params(state0.params)
     print(
-        f"bench_step: d_model {cfg.d_model}, {cfg.layers} layer(s), {cfg.heads} heads, batch "
-        f"{cfg.batch}, sequence {cfg.seq}, {n_params / 1e6:.2f} M parameters; "
-        f"{len(args.recipes)} recipes, {args.runs} rounds interleaved",
+        f"bench_step: {wl.describe()}, {n_params / 1e6:.2f} M parameters; implementation "
+        f"{args.implementation}; {len(args.recipes)} recipes, {args.runs} rounds interleaved",
         file=sys.stderr,
     )
 
@@ -316,10 +497,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cpu_s: dict[str, list[float]] = {name: [] for name in args.recipes}
     candidates: dict[str, Callable[[], Any]] = {}
     for name in args.recipes:
-        step = make_step(cfg, name, tx)
+        step = make_train_step(wl.loss(name, args.implementation), wl.tx)
         states[name] = _copy(state0)
         t0 = time.perf_counter()
-        states[name], loss = step(states[name], tokens_BT1)
+        states[name], loss = step(states[name], batch)
         losses[name] = [loss]
         compile_s[name] = time.perf_counter() - t0
         print(
@@ -328,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
         def run(name=name, step=step):
             c0 = time.process_time()
-            states[name], loss = step(states[name], tokens_BT1)
+            states[name], loss = step(states[name], batch)
             jax.block_until_ready((states[name], loss))
             cpu_s[name].append(time.process_time() - c0)
             losses[name].append(loss)
@@ -349,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         loss_finite = all(math.isfinite(v) for v in step_losses)
         params_finite = _all_finite(states[name].params)
         ratio = t.median_s / t_base.median_s
-        limit = bound(name)
+        limit = bound(name, args.model)
         rows.append(
             {
                 "recipe": name,
@@ -379,10 +560,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     payload = {
         "benchmark": "bench_step",
         "config": {
-            **dataclasses.asdict(cfg),
+            "model": args.model,
+            **dataclasses.asdict(wl.cfg),
             "params": n_params,
             "dtype": "float32",
-            "optimizer": "adamw(1e-3, weight_decay=0.1)",
+            "optimizer": wl.optimizer,
+            "implementation": args.implementation,
             "runs": args.runs,
             "warmup": args.warmup,
             "quick": args.quick,
@@ -427,13 +610,14 @@ def _print_table(rows: list[dict[str, Any]], t_base: common.Timing, args, env) -
         ("loss_last", "loss", "{:.4f}"),
         ("finite", "finite"),
     ]
-    cfg = args.cfg
+    wl: Workload = args.workload
     load = env.get("loadavg")
     load_after = env.get("loadavg_after")
     fmt_load = lambda la: "n/a" if la is None else " ".join(f"{v:.2f}" for v in la)
+    opt = "SGD" if wl.model == "mlp" else "AdamW"
     print(
-        f"train step (AdamW), d_model {cfg.d_model} x {cfg.layers} layer(s), batch {cfg.batch} x "
-        f"seq {cfg.seq}, float32 on {env['backend']} ({env['cpu_count']} CPUs): median of "
+        f"train step ({opt}), {wl.describe()}, float32 on {env['backend']} "
+        f"({env['cpu_count']} CPUs), implementation {args.implementation}: median of "
         f"{args.runs} interleaved rounds; none = {t_base.median_ms:.1f} ms"
         + ("" if t_base.spread is None else f" (iqr {100 * t_base.spread:.0f}%)")
     )

@@ -12,6 +12,18 @@ Arguments (after the colon, comma-separated): ``size`` (tiny | xs | s | m | l, a
 ``--config.model.positions=learned``, ``--config.data.path=my_corpus/``,
 ``--config.mesh.fsdp=4``, ``--config.quant.high_precision='embed|head'``.
 
+``quant.implementation`` chooses how the quantized GEMMs run (``lowbit.flax.quantize(...,
+implementation=...)``, down to ``lowbit.dot_general``): unset (None, the default) takes the
+best for the backend (the Pallas kernels on a GPU; the XLA emulation with lowbit's compiled CPU
+kernel on CPU); ``xla`` the pure-XLA emulation, the reference; ``pallas`` sends every plain
+``x @ w`` layer through the Pallas kernels when lowered for CUDA and the emulation elsewhere
+(a 3-D activation needs ``model.seq_len`` to be a multiple of 256 for it; other layers use the
+emulation). It is part of the run's config (``config.json``): a finished run is not reused, nor
+resumed, under another implementation::
+
+    python -m experiments.train --config configs/gpt.py:size=m,recipe=mxfp4 \
+        --config.quant.implementation=pallas
+
 The sizes are the MX whitepaper's and Quartet's GPT setting scaled to a 2-core CPU: the same
 architecture and recipes run unchanged on GPUs (``dtype='auto'`` computes in bfloat16 there and
 float32 on CPU, where the ``none`` recipe is then the float32 baseline). Only ``train.steps`` and
@@ -21,6 +33,7 @@ float32 on CPU, where the ``none`` recipe is then the float32 baseline). Only ``
 from __future__ import annotations
 
 import ml_collections
+from ml_collections import config_dict
 
 from experiments.configlib import parse_arg
 
@@ -66,6 +79,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Modules kept in high precision (a regex over module paths, fullmatch): embeddings, the LM
     # head and the MoE router, as in the MX and NVFP4 training recipes. "" keeps nothing.
     c.quant.high_precision = r"embed|pos_embed|head|.*/router"
+    # None (the best for the backend) | "xla" | "pallas": see the module docstring.
+    c.quant.implementation = config_dict.placeholder(str)
 
     c.data = ml_collections.ConfigDict()
     c.data.path = ""  # "" = Shakespeare (fetched once into cache_dir); or a text file / folder

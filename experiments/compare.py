@@ -67,7 +67,7 @@ def _finished(cfg: training.RunConfig) -> bool:
         saved = json.loads((d / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return summary.get("step") == cfg.train.steps and saved == cfg.to_json()
+    return summary.get("step") == cfg.train.steps and not training.config_diff(saved, cfg.to_json())
 
 
 def run_all(

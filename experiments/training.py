@@ -47,6 +47,7 @@ import lowbit.flax as lbf
 from experiments import data as data_lib
 from experiments.configlib import ConfigError, to_dataclass, to_plain
 from experiments.model import GPT, GPTConfig, loss_fn
+from lowbit.dot_general import check_implementation
 
 __all__ = [
     "TrainConfig",
@@ -60,6 +61,7 @@ __all__ = [
     "make_mesh",
     "quant_rules",
     "read_metrics",
+    "config_diff",
 ]
 
 AXES = ("data", "fsdp")
@@ -95,8 +97,11 @@ class TrainConfig:
                 raise ValueError(
                     f"train.{f} must be >= 0 (0: only at the end), got {getattr(self, f)}"
                 )
-        if not 0 <= self.warmup_steps <= self.steps:
-            raise ValueError(f"train.warmup_steps must be in [0, steps], got {self.warmup_steps}")
+        if not 0 <= self.warmup_steps < self.steps:  # the cosine decay needs a step
+            raise ValueError(
+                f"train.warmup_steps must be in [0, steps - 1], got {self.warmup_steps} with "
+                f"steps={self.steps}"
+            )
         if self.lr <= 0:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
         if not 0 <= self.stop_at <= self.steps:
@@ -105,16 +110,21 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-    """Which recipe the model's linear layers train under, and which modules stay float."""
+    """Which recipe the model's linear layers train under, which modules stay float, and how
+    the quantized GEMMs run: ``implementation`` is ``lowbit.dot_general``'s (None: the best
+    for the backend, ``"xla"``: the pure-XLA emulation, ``"pallas"``: the Pallas kernels when
+    lowered for CUDA), passed to :func:`lowbit.flax.quantize`."""
 
     recipe: str = "none"
     high_precision: str = r"embed|pos_embed|head|.*/router"
+    implementation: str | None = None
 
     def __post_init__(self):
         try:
             lb.recipes.get(self.recipe)
         except (ValueError, KeyError) as e:
             raise ValueError(f"quant.recipe: {e}") from None
+        check_implementation(self.implementation, "quant.implementation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +241,12 @@ def quant_rules(q: QuantConfig) -> list[tuple[str, str]]:
 def build_model(cfg: RunConfig) -> nnx.Module:
     """The GPT with its linear layers quantized by :func:`quant_rules` (seeded by cfg.seed)."""
     model = GPT(cfg.model, rngs=nnx.Rngs(params=cfg.seed))
-    return lbf.quantize(model, quant_rules(cfg.quant), rngs=nnx.Rngs(quant=cfg.seed + 1))
+    return lbf.quantize(
+        model,
+        quant_rules(cfg.quant),
+        rngs=nnx.Rngs(quant=cfg.seed + 1),
+        implementation=cfg.quant.implementation,
+    )
 
 
 def make_mesh(m: MeshConfig, devices=None) -> Mesh:
@@ -361,6 +376,8 @@ class _Trainer:
             _, metrics = loss_fn(model, batch)
             return metrics["loss"]
 
+        # The step unjitted (for jax.export, e.g. lowering it for CUDA on any machine).
+        self.step_fn = step_fn
         self.step = jax.jit(
             step_fn,
             in_shardings=(self.state_sharding, self.batch_sharding),
@@ -432,13 +449,16 @@ def _restore(mngr, trainer: _Trainer, step: int):
     return _rekey(got["state"], trainer.abstract), dict(got["data"])
 
 
-def _config_diff(saved: dict, now: dict, prefix=()) -> list[str]:
+def config_diff(saved: dict, now: dict, prefix=()) -> list[str]:
+    """The fields that differ between two ``RunConfig.to_json()`` dicts, as ``"a.b: x -> y"``,
+    leaving out those a run may change when resumed (the name, the workdir, ``_RESUMABLE``).
+    A key missing on one side reads as None (a field added since the run was written)."""
     out = []
     for k in sorted(set(saved) | set(now)):
         key = (*prefix, k)
         a, b = saved.get(k), now.get(k)
         if isinstance(a, dict) and isinstance(b, dict):
-            out += _config_diff(a, b, key)
+            out += config_diff(a, b, key)
         elif a != b and key not in _RESUMABLE and key != ("name",) and key != ("workdir",):
             out.append(f"{'.'.join(key)}: {a!r} -> {b!r}")
     return out
@@ -494,7 +514,7 @@ def train(
         )
     if resume and (run_dir / "config.json").exists():
         saved = json.loads((run_dir / "config.json").read_text())
-        diff = _config_diff(saved, cfg.to_json())
+        diff = config_diff(saved, cfg.to_json())
         if diff:
             raise ConfigError(f"--resume with a config that differs from {run_dir}: {diff}")
 
@@ -622,6 +642,8 @@ def train(
                 t_last, step_last = time.perf_counter(), s
         if pending is not None:
             drain(pending)
+        if final_val is None:  # resumed at its last step: nothing trained, still evaluated
+            final_val = evaluate(state)
     mngr.close()
 
     step_time = statistics.median(intervals) if intervals else None

@@ -3,12 +3,16 @@ errors, divergence, the compare script and the CLI."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,6 +20,8 @@ import lowbit as lb
 from experiments import compare, training
 from experiments import data as data_lib
 from experiments.configlib import ConfigError, load_config
+from pallas_kernels._common import TRITON_CUSTOM_CALL_TARGETS, export_for_cuda
+from pallas_kernels.quantized_gemm import kernel_supports
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.py"))
@@ -93,6 +99,18 @@ def test_bad_config_arguments_and_keys_are_named():
     c = load_config(f"{ROOT}/configs/gpt.py")
     c.train.lerning_rate = 1.0
     with pytest.raises(ConfigError, match=r"config\.train: unknown key\(s\) \['lerning_rate'\]"):
+        training.RunConfig.from_config(c)
+
+
+def test_quant_implementation_defaults_to_none_and_is_validated(tmp_path, corpus):
+    c = load_config(f"{ROOT}/configs/gpt.py")
+    assert c.quant.implementation is None
+    assert training.RunConfig.from_config(c).quant.implementation is None
+    for impl in ("xla", "pallas"):
+        c.quant.implementation = impl
+        assert training.RunConfig.from_config(c).quant.implementation == impl
+    c.quant.implementation = "triton"
+    with pytest.raises(ConfigError, match=r"quant\.implementation must be one of .*'triton'"):
         training.RunConfig.from_config(c)
 
 
@@ -254,6 +272,101 @@ def test_missing_and_corrupt_data_paths_are_clear_errors(tmp_path, corpus):
 
 
 # --------------------------------------------------------------------------------------------
+# quant.implementation="pallas": the emulation on CPU, the Triton kernels when lowered for CUDA
+
+
+def _pallas_tiny(tmp_path, corpus, recipe, implementation=None):
+    """1 layer, d_model 64, 2 steps of 2 x 256 tokens (no warmup: step 2's loss follows the
+    gradients of step 1): lowbit.dot_general takes the Pallas path for the blocks' linear
+    layers ([B, T, D] activations with T a multiple of 256)."""
+    c = tiny(tmp_path, corpus, recipe, steps=2, warmup_steps=0, batch_size=2, eval_every=0)
+    c.train.update(checkpoint_every=0, eval_batches=1)
+    c.model.seq_len = 256
+    c.quant.implementation = implementation
+    return training.RunConfig.from_config(c)
+
+
+def _triton_launches(module_text: str) -> int:
+    """Triton kernel launches of one call of ``main`` in a StableHLO module: its Triton custom
+    calls plus those of the functions it calls, per call (lowering shares one private function
+    between identical call sites, so the text alone undercounts)."""
+    heads = list(re.finditer(r"func\.func (?:public |private )?@([^(\s]+)\(", module_text))
+    bodies = {
+        m.group(1): module_text[m.start() : heads[i + 1].start() if i + 1 < len(heads) else None]
+        for i, m in enumerate(heads)
+    }
+    triton = "|".join(re.escape(t) for t in TRITON_CUSTOM_CALL_TARGETS)
+    memo: dict[str, int] = {}
+
+    def count(name: str) -> int:
+        if name not in memo:
+            body = bodies[name]
+            calls = re.findall(r"(?<!\w)(?:func\.)?call @([^(\s]+)\(", body)
+            memo[name] = len(re.findall(rf"custom_call @(?:{triton})\(", body)) + sum(
+                count(c) for c in calls
+            )
+        return memo[name]
+
+    return count("main")
+
+
+def _expected_launches(cfg: training.RunConfig) -> int:
+    """Per quantized linear layer and GEMM the kernels support: one quantize kernel per
+    quantized operand and one block-scaled matmul."""
+    r = lb.recipes.get(cfg.quant.recipe)
+    per_layer = sum(
+        (g.lhs is not None) + (g.rhs is not None) + 1
+        for g in (r.fwd, r.dlhs, r.drhs)
+        if g.active and kernel_supports(g.lhs, g.rhs)[0]
+    )
+    linears = 4 * cfg.model.layers  # qkv, out, up, down; embed and head stay float
+    return linears * per_layer
+
+
+def test_pallas_implementation_trains_like_the_default_on_cpu(tmp_path, corpus):
+    # mxfp4 rounds to nearest: the same quantized values on both paths, so the same losses up
+    # to float32 summation order (the Pallas path multiplies [B*T, K] x [K, N] matrices). Only
+    # the MLP is quantized here (compile time); the export test below covers every layer.
+    runs = []
+    for impl in (None, "pallas"):
+        cfg = _pallas_tiny(tmp_path / str(impl), corpus, "mxfp4", impl)
+        cfg = dataclasses.replace(
+            cfg, quant=dataclasses.replace(cfg.quant, high_precision=r"embed|head|.*/attn/.*")
+        )
+        runs.append(training.train(cfg, log=quiet))
+    default, pallas = runs
+    a = np.array([default.losses[s] for s in (1, 2)])
+    b = np.array([pallas.losses[s] for s in (1, 2)])
+    assert np.all(np.isfinite(b))
+    np.testing.assert_allclose(b, a, rtol=1e-5)
+    np.testing.assert_allclose(pallas.final_val_loss, default.final_val_loss, rtol=1e-5)
+    saved = json.loads((pallas.run_dir / "config.json").read_text())
+    assert saved["quant"]["implementation"] == "pallas"
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4", "nvfp4"])
+def test_the_train_step_exported_for_cuda_holds_the_triton_kernels(tmp_path, corpus, recipe):
+    # mxfp4: every GEMM has kernels (3 launches each); nvfp4: only the weight gradient (its
+    # weight's 16x16 tiles have none), the others run the emulation.
+    cfg = _pallas_tiny(tmp_path, corpus, recipe, "pallas")
+    trainer = training._Trainer(cfg, training.make_mesh(cfg.mesh))
+    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len), jnp.int32)
+    fallback = (
+        pytest.warns(UserWarning, match=r"emulation instead of the kernels.*2-D block_shape")
+        if recipe == "nvfp4"
+        else contextlib.nullcontext()
+    )
+    with fallback:
+        exported = export_for_cuda(
+            trainer.step_fn, trainer.abstract, {"inputs": tokens, "targets": tokens}
+        )
+    assert exported.platforms == ("cuda",)
+    expected = _expected_launches(cfg)
+    assert expected == {"mxfp4": 36, "nvfp4": 12}[recipe]
+    assert _triton_launches(exported.mlir_module()) == expected
+
+
+# --------------------------------------------------------------------------------------------
 # compare.py and the CLI
 
 
@@ -274,9 +387,14 @@ def test_compare_writes_curves_and_summary_and_reuses_finished_runs(tmp_path, co
     monkeypatch.setattr(training, "train", no_training)
     compare.compare(base, ["none", "mxfp4"], seeds=[0, 1], log=quiet)
     monkeypatch.undo()
-    # A finished run with another config is never overwritten silently.
+    # A finished run with another config is never overwritten silently: the implementation
+    # of the GEMMs is part of the config.
     base.train.lr = 5e-3
     with pytest.raises(ConfigError, match=r"train\.lr.*pass --rerun"):
+        compare.run_all(base, ["none"], [0], log=quiet)
+    base.train.lr = 1e-2
+    base.quant.implementation = "xla"
+    with pytest.raises(ConfigError, match=r"quant\.implementation: None -> 'xla'.*pass --rerun"):
         compare.run_all(base, ["none"], [0], log=quiet)
 
 
@@ -306,10 +424,12 @@ def test_cli_trains_and_reports_bad_input_in_one_line(tmp_path, corpus):
         "--config.model.seq_len=32",
         "--config.train.batch_size=4",
     ]
-    ok = _cli(*common, cwd=tmp_path)
+    ok = _cli(*common, "--config.quant.implementation=xla", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert "final validation loss" in ok.stdout
-    assert (tmp_path / "runs/gpt-tiny/mxfp4-s0/metrics.jsonl").exists()
+    run = tmp_path / "runs/gpt-tiny/mxfp4-s0"
+    assert (run / "metrics.jsonl").exists()
+    assert json.loads((run / "config.json").read_text())["quant"]["implementation"] == "xla"
     bad = _cli(*common, "--config.quant.recipe=mxfp5", "--config.name=x", cwd=tmp_path)
     assert bad.returncode == 1
     assert "quant.recipe" in bad.stderr and "Traceback" not in bad.stderr
