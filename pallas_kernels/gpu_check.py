@@ -8,6 +8,11 @@ GPU mode, for each kernel configuration:
   (8192 x 8192) and, rounding to nearest along rows, of the decode-like activation (16 x 8192):
   bit-exact against ``lowbit.quantize`` run by XLA on the same GPU, then timed against it and
   against the bf16 ``jnp.dot`` of that GEMM (quantize time / dot time = the overhead it adds);
+- quantize with the fused Hadamard transform and prescale gain of the recipes' backward GEMMs
+  (quartet: MXFP4, b = 32, stochastic, gain 3/4; mxfp4_bwd: b = 64; nvfp4's wgrad: NVFP4,
+  b = 16, stochastic; and b = 256), random signs, along both axes: bit-exact against lowbit's
+  fixed-order butterfly (``hadamard_transform(..., method="butterfly")``, computed by XLA in
+  its own jit) then its quantizer with the gain, timed against that XLA pair;
 - block-scaled matmul (every format with itself, E4M3 x E5M2, weight-only bf16 x MXFP4 /
   MXFP8 / NVFP4) on the prefill-like 8192^3 and decode-like M=16, K=N=8192 GEMMs: checked
   against dequantize + float32 dot (the tolerance of tests/test_pallas_matmul.py), timed
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 import time
 
@@ -33,7 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import lowbit as lb
+from lowbit import formats
+from lowbit.hadamard import hadamard_transform, random_signs
+from lowbit.qarray import QArray
+from lowbit.qarray import quantize as lowbit_quantize
 from pallas_kernels._common import export_for_cuda, on_gpu, time_fn
 from pallas_kernels.block_scaled_matmul import Config as MatmulConfig
 from pallas_kernels.block_scaled_matmul import block_scaled_matmul
@@ -51,7 +60,14 @@ from pallas_kernels.quantize.reference import quantize_reference
 
 PREFILL = (8192, 8192, 8192)  # M, K, N
 DECODE = (16, 8192, 8192)
-FORMATS = lb.formats.names()
+FORMATS = formats.names()
+# (format, rounding, Hadamard block, gain) of the fused quantize cases (see the docstring)
+HADAMARD_CASES = [
+    ("mxfp4", "stochastic", 32, 0.75),
+    ("mxfp4", "stochastic", 64, 0.75),
+    ("nvfp4", "stochastic", 16, 1.0),
+    ("mxfp8_e4m3", "nearest", 256, 1.0),
+]
 MATMUL_PAIRS = [(f, f) for f in FORMATS] + [
     ("mxfp8_e4m3", "mxfp8_e5m2"),
     (None, "mxfp4"),  # W4A16 (None: a bf16 operand)
@@ -67,14 +83,35 @@ class QuantizeCase:
     rounding: str
     shape: tuple[int, int]
     gemm: tuple[int, int, int]  # the GEMM whose operand this is (for the dot-time ratio)
+    hadamard: int | None = None  # fused Hadamard block (random signs), or None
+    gain: float = 1.0
 
     @property
     def name(self) -> str:
-        return f"quantize {self.fmt:<10} axis={self.axis:>2} {self.rounding:<10} {self.shape}"
+        extra = "" if self.hadamard is None else f" hadamard={self.hadamard} gain={self.gain}"
+        return (
+            f"quantize {self.fmt:<10} axis={self.axis:>2} {self.rounding:<10} {self.shape}" + extra
+        )
 
     @property
     def config(self) -> QuantizeConfig:
-        return quantize_default(self.shape, self.fmt, self.axis)
+        return quantize_default(self.shape, self.fmt, self.axis, self.hadamard)
+
+    def kwargs(self, key) -> dict:
+        """quantize's keyword arguments (signs drawn from ``key``)."""
+        kw = dict(rounding=self.rounding, gain=self.gain)
+        if self.hadamard is not None:
+            kw.update(hadamard=self.hadamard, signs=random_signs(key, self.hadamard))
+        return kw
+
+    def reference(self, x, key):
+        """The XLA reference: lowbit's butterfly (its own jit, so XLA cannot fuse it into the
+        quantizer), then lowbit's quantizer."""
+        kw = self.kwargs(key)
+        if self.hadamard is not None:
+            x = _butterfly(x, self.hadamard, kw.pop("signs"), self.axis)
+            kw.pop("hadamard")
+        return quantize_reference(x, self.fmt, self.axis, key=key, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +127,7 @@ class MatmulCase:
     @property
     def config(self) -> MatmulConfig:
         m, k, n = self.mkn
-        blocks = tuple(lb.formats.get(f).block_size for f in (self.a, self.b) if f)
+        blocks = tuple(formats.get(f).block_size for f in (self.a, self.b) if f)
         return matmul_default(m, n, k, block_sizes=blocks)
 
 
@@ -102,7 +139,17 @@ def quantize_cases() -> list[QuantizeCase]:
         for r in ("nearest", "stochastic")
     ]
     cases += [QuantizeCase(f, -1, "nearest", DECODE[:2], DECODE) for f in FORMATS]
+    cases += [
+        QuantizeCase(f, axis, r, PREFILL[:2], PREFILL, hadamard=b, gain=g)
+        for f, r, b, g in HADAMARD_CASES
+        for axis in (-1, 0)
+    ]
     return cases
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def _butterfly(x, b, signs, axis):
+    return hadamard_transform(x, b, signs=signs, axis=axis, method="butterfly")
 
 
 def matmul_cases() -> list[MatmulCase]:
@@ -113,7 +160,7 @@ def matmul_cases() -> list[MatmulCase]:
 # Checks
 
 
-def same_qarray(q: lb.QArray, r: lb.QArray) -> bool:
+def same_qarray(q: QArray, r: QArray) -> bool:
     ok = q.codes.shape == r.codes.shape and q.scales.shape == r.scales.shape
     ok = ok and bool(jnp.all(q.codes == r.codes)) and bool(jnp.all(q.scales == r.scales))
     if r.tensor_scale is not None:
@@ -144,7 +191,7 @@ def _operand(x, fmt, axis):
 
 
 def _nbytes(x) -> int:
-    return x.nbytes if isinstance(x, lb.QArray) else x.size * x.dtype.itemsize
+    return x.nbytes if isinstance(x, QArray) else x.size * x.dtype.itemsize
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,13 +232,12 @@ def run_gpu(budget_s: float) -> int:
             continue
         x = jax.random.normal(jax.random.fold_in(key, 1), case.shape, jnp.bfloat16)
         x = x * jnp.exp(jax.random.normal(key, case.shape, jnp.bfloat16))
-        kw = dict(rounding=case.rounding)
         kern = jax.jit(
-            lambda x, k, c=case, kw=kw: quantize(
-                x, c.fmt, c.axis, key=k, implementation="pallas", **kw
+            lambda x, k, c=case: quantize(
+                x, c.fmt, c.axis, key=k, implementation="pallas", **c.kwargs(k)
             )
         )
-        ref = jax.jit(lambda x, k, c=case, kw=kw: quantize_reference(x, c.fmt, c.axis, key=k, **kw))
+        ref = lambda x, k, c=case: c.reference(x, k)  # its parts are jitted
         try:
             q, r = kern(x, key), ref(x, key)
             exact = same_qarray(q, r)
@@ -265,7 +311,7 @@ def run_dry() -> int:
             spec = jax.ShapeDtypeStruct(case.shape, jnp.bfloat16)
             export_for_cuda(
                 lambda x, k, c=case, cfg=cfg: quantize_pallas(
-                    x, c.fmt, c.axis, rounding=c.rounding, key=k, config=cfg
+                    x, c.fmt, c.axis, key=k, config=cfg, **c.kwargs(key)
                 ),
                 spec,
                 jax.ShapeDtypeStruct((2,), jnp.uint32),
@@ -278,15 +324,13 @@ def run_dry() -> int:
                 x,
                 case.fmt,
                 case.axis,
-                rounding=case.rounding,
                 key=key,
                 implementation="pallas",
                 interpret=True,
                 config=cfg,
+                **case.kwargs(key),
             )
-            ok = same_qarray(
-                q, quantize_reference(x, case.fmt, case.axis, rounding=case.rounding, key=key)
-            )
+            ok = same_qarray(q, case.reference(x, key))
         except Exception as e:
             ok = False
             print(f"{case.name}: ERROR {type(e).__name__}: {str(e)[:300]}")
@@ -332,7 +376,7 @@ def _spec(fmt, shape, axis):
     if fmt is None:
         return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     return jax.eval_shape(
-        lambda x: lb.quantize(x, fmt, axis), jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+        lambda x: lowbit_quantize(x, fmt, axis), jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     )
 
 

@@ -27,6 +27,7 @@ def tiny(monkeypatch):
     monkeypatch.setattr(gpu_check, "PREFILL", (64, 128, 64))
     monkeypatch.setattr(gpu_check, "DECODE", (16, 128, 64))
     monkeypatch.setattr(gpu_check, "FORMATS", ["nvfp4"])
+    monkeypatch.setattr(gpu_check, "HADAMARD_CASES", [("mxfp4", "stochastic", 32, 0.75)])
     monkeypatch.setattr(gpu_check, "MATMUL_PAIRS", [(None, "mxfp6_e2m3")])
     fast = functools.partial(_common.time_fn, batches=1, calls=1, warmup=1)
     monkeypatch.setattr(gpu_check, "time_fn", fast)
@@ -42,8 +43,10 @@ def test_gpu_mode_runs_end_to_end(tiny, capsys):
 def test_dry_run(tiny, capsys):
     assert gpu_check.run_dry() == 0
     out = capsys.readouterr().out
-    # 4 quantize (2 axes x 2 roundings) + 1 decode-shape quantize + 1 pair x 2 GEMM shapes
-    assert out.count("lowers for CUDA") == 7 and "0 failed" in out
+    # 4 quantize (2 axes x 2 roundings) + 1 decode-shape quantize + 2 fused Hadamard and gain
+    # (2 axes) + 1 pair x 2 GEMM shapes
+    assert out.count("lowers for CUDA") == 9 and "0 failed" in out
+    assert out.count("hadamard=32 gain=0.75") == 2
 
 
 @cpu_only

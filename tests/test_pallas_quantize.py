@@ -7,13 +7,32 @@ comparison is of codes, scales and the NVFP4 tensor scale, bit for bit, stochast
 included (same key). The inputs hold an all-zero block, a NaN block, an Inf block, values near
 1e-30 and values that saturate.
 
+Fused Hadamard transform (``hadamard=b``): the kernel follows lowbit's fixed-order butterfly,
+so on any input it is bit-exact with ``hadamard_transform(..., method="butterfly")`` then
+``lowbit.quantize``. Against lowbit's default dense form (a matmul, whose summation order is the
+backend's) bit-exactness holds where the transform is exact: small integers times powers of two
+with b in {16, 64, 256} (1/sqrt(b) a power of two, every partial sum exact, no zero inputs so no
+signed-zero differences). On random inputs the two forms agree to float32 rounding, so a value
+within an ulp of a rounding boundary (of the element grid, or of a scale's binade) can round
+the other way: at most 0.1 % of the code bytes and 1 % of the block scales may differ, and
+NVFP4's tensor scale by a few ulp (measured: at most 1 code byte in 65536, no scale).
+
+Prescale gain (``gain=g``): bit-exact with ``lowbit.qarray.quantize_with_plan`` for
+``make_plan(..., gain=g)``; dividing the dequantized values by ``g`` gives lowbit's
+fake-quantized values for that plan.
+
 Without a GPU the Triton path is checked by lowering every kernel configuration for CUDA
-through jax.export, with each Triton module run through the MLIR verifier (test_lowers_for_cuda).
+through jax.export, with each Triton module run through the MLIR verifier (test_lowers_for_cuda,
+test_hadamard_and_gain_lower_for_cuda: every configuration the tests here run, along both
+axes, and the default tiles of larger shapes).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +40,15 @@ import numpy as np
 import pytest
 
 import lowbit as lb
+from lowbit import numerics as lowbit_numerics
+from lowbit import qarray as lowbit_qarray
+from lowbit.hadamard import random_signs
+from pallas_kernels import _numerics as nx
 from pallas_kernels._common import export_for_cuda, on_gpu
 from pallas_kernels.quantize import Config, get_default, quantize
 from pallas_kernels.quantize.kernel import quantize_pallas
 from pallas_kernels.quantize.reference import quantize_reference
+from tests.elements import LB_ELEMS
 
 cpu_only = pytest.mark.skipif(on_gpu(), reason="checks the fallback on a machine without a GPU")
 
@@ -32,6 +56,72 @@ FORMATS = lb.formats.names()  # every MX format and nvfp4
 AXES = (-1, 0)
 ROUNDINGS = ("nearest", "stochastic")
 KEY = jax.random.key(7)
+
+
+class HCase(NamedTuple):
+    """A fused-Hadamard configuration: format, axis, Hadamard block, rounding, gain, input
+    dtype, shape, random signs or not."""
+
+    fmt: str
+    axis: int
+    hadamard: int
+    rounding: str
+    gain: float
+    dtype: str
+    shape: tuple[int, int]
+    signs: bool = True
+
+    def kwargs(self) -> dict:
+        signs = random_signs(jax.random.key(self.hadamard), self.hadamard) if self.signs else None
+        key = KEY if self.rounding == "stochastic" else None
+        return dict(
+            rounding=self.rounding, key=key, hadamard=self.hadamard, signs=signs, gain=self.gain
+        )
+
+
+# The recipes' fused operands (quartet's backward: MXFP4, b = 32, stochastic, gain 3/4;
+# nvfp4's wgrad: NVFP4, b = 16, stochastic) along both axes, and the edges: b = 64 and 256, a
+# Hadamard block shorter than the format's with padding kept in the output (80 = 2.5 MX
+# blocks, along either axis), bfloat16 input, no signs, MX INT8.
+HADAMARD_CASES = [
+    HCase("mxfp4", -1, 16, "stochastic", 0.75, "float32", (32, 80)),
+    HCase("mxfp4", 0, 32, "stochastic", 0.75, "float32", (64, 64)),
+    HCase("nvfp4", 0, 16, "stochastic", 1.0, "float32", (64, 48)),
+    HCase("nvfp4", -1, 64, "nearest", 0.75, "bfloat16", (32, 128)),
+    HCase("mxfp8_e4m3", -1, 256, "nearest", 1.0, "bfloat16", (32, 256), signs=False),
+    HCase("mxint8", 0, 16, "stochastic", 0.75, "float32", (80, 32)),
+]
+# (fmt, axis, rounding, gain): the recipes' gain on stochastic MXFP4 and NVFP4, and a gain
+# above 1 that makes elements saturate (MX INT8 with a gain: HADAMARD_CASES).
+GAIN_CASES = [
+    ("mxfp4", 0, "stochastic", 0.75),
+    ("nvfp4", -1, "stochastic", 0.75),
+    ("mxfp8_e5m2", 0, "nearest", 1.5),
+]
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _gain_oracle(x, key, fmt, axis, rounding, gain):
+    """lowbit's quantizer with a plan gain; its dequantized values ungained; lowbit's
+    fake-quantized values for that plan; the codes without the gain."""
+    plan = lowbit_qarray.make_plan(x.shape, fmt, axis, None, None, rounding, key, None, gain)
+    q = lowbit_qarray.quantize_with_plan(x, plan, key, None)
+    ungained = lowbit_qarray.ungain(lowbit_qarray.dequantize(q), gain)
+    fake = lowbit_qarray.fake_quantize_with_plan(x, key, None, plan, native=False)[0]
+    plain = lowbit_qarray.make_plan(x.shape, fmt, axis, None, None, rounding, key, None)
+    return q, ungained, fake, lowbit_qarray.quantize_with_plan(x, plain, key, None).codes
+
+
+def _hcase_id(case: HCase) -> str:
+    signs = "" if case.signs else "-nosigns"
+    return (
+        f"{case.fmt}-axis{case.axis}-h{case.hadamard}-{case.rounding}-g{case.gain}-"
+        f"{case.dtype}-{case.shape[0]}x{case.shape[1]}{signs}"
+    )
+
+
+def _gain_id(case) -> str:
+    return "-".join(str(c) for c in case)
 
 
 def _lowbit(x, fmt, axis=-1, **kw) -> lb.QArray:
@@ -53,6 +143,41 @@ def _matrix(shape, seed=0, dtype=jnp.float32, specials=True) -> jax.Array:
         x[3, :] = rng.standard_normal(shape[1]) * 1e-30
         x[5, 7] = -1e30  # saturates its block's neighbours to zero
     return jnp.asarray(x.astype(np.float32)).astype(dtype)
+
+
+def _exact_matrix(shape, axis, seed=0, dtype=jnp.float32) -> jax.Array:
+    """Inputs whose Hadamard transform is exact in float32 for b in {16, 64, 256}: nonzero
+    integers -7..7 times 2**k (k in -3..3 per element, and a power of two per line across the
+    quantized axis from 2**-20 to 2**20), so every partial sum of a block fits in 24 bits and
+    every product by 1/sqrt(b) is exact; no zeros, so no sum can be -0. Exact in bfloat16 too."""
+    rng = np.random.default_rng(seed)
+    v = rng.integers(1, 8, shape) * rng.choice([-1.0, 1.0], shape)
+    v = v * 2.0 ** rng.integers(-3, 4, shape)
+    lines = shape[1 - axis % 2]
+    line_scale = 2.0 ** rng.integers(-20, 21, lines)
+    v = v * (line_scale[None, :] if axis % 2 == 0 else line_scale[:, None])
+    return jnp.asarray(v.astype(np.float32)).astype(dtype)
+
+
+def _assert_close_qarray(q: lb.QArray, r: lb.QArray):
+    """q and r from Hadamard transforms that agree to float32 rounding: the dequantized values
+    are equal (the sign of zero aside: the butterfly turns a zero block with random signs into
+    signed zeros, the dense form into +0) except for a stated fraction within an ulp of a
+    rounding boundary; the block scales except for 1 %; NVFP4's tensor scales by a few ulp
+    (the values compared with q's tensor scale on both sides)."""
+    scales_q, scales_r = np.asarray(q.scales), np.asarray(r.scales)
+    assert scales_q.shape == scales_r.shape
+    scales_off = np.sum(scales_q != scales_r)
+    assert scales_off <= 1e-2 * scales_q.size, f"{scales_off} of {scales_q.size} scales differ"
+    if r.tensor_scale is not None:
+        np.testing.assert_allclose(float(q.tensor_scale), float(r.tensor_scale), rtol=2.0**-20)
+        r = dataclasses.replace(r, tensor_scale=q.tensor_scale)
+    yq, yr = (np.asarray(_dequantize(a, jnp.float32)) for a in (q, r))
+    off = np.sum((yq != yr) & ~(np.isnan(yq) & np.isnan(yr)))
+    assert off <= 1e-3 * yq.size, f"{off} of {yq.size} dequantized values differ"
+
+
+_dequantize = jax.jit(lb.dequantize, static_argnums=1)
 
 
 def _assert_same_qarray(q: lb.QArray, r: lb.QArray):
@@ -81,8 +206,10 @@ class QuantizeTestBase:
 
     implementation: str = "xla"
     interpret: bool = False
+    # the form of lowbit's Hadamard transform whose arithmetic the implementation follows
+    hadamard_method: str | None = None
 
-    def config(self, shape, fmt, axis) -> Config | None:
+    def config(self, shape, fmt, axis, hadamard=None) -> Config | None:
         return None
 
     def quantize(self, x, fmt, axis=-1, **kw) -> lb.QArray:
@@ -92,7 +219,7 @@ class QuantizeTestBase:
             axis,
             implementation=self.implementation,
             interpret=self.interpret,
-            config=self.config(x.shape, fmt, axis),
+            config=self.config(x.shape, fmt, axis, kw.get("hadamard")),
             **kw,
         )
 
@@ -161,6 +288,35 @@ class QuantizeTestBase:
             np.asarray(jax.jit(lb.fake_quantize, static_argnums=(1, 2))(x, "mxfp8_e4m3", 0)),
         )
 
+    @pytest.mark.parametrize("case", HADAMARD_CASES, ids=_hcase_id)
+    def test_hadamard(self, case: HCase):
+        if self.implementation == "xla" and case != HADAMARD_CASES[0]:
+            pytest.skip("the xla implementation is the reference: one case checks the plumbing")
+        kw, dtype = case.kwargs(), jnp.dtype(case.dtype)
+        if case.hadamard in (16, 64, 256):  # exact arithmetic: lowbit's default, bit for bit
+            x = _exact_matrix(case.shape, case.axis, seed=1, dtype=dtype)
+            q = self.quantize(x, case.fmt, case.axis, **kw)
+            _assert_same_qarray(q, _lowbit(x, case.fmt, case.axis, **kw))
+        x = _matrix(case.shape, seed=2, dtype=dtype)
+        q = self.quantize(x, case.fmt, case.axis, **kw)
+        ref = _lowbit(x, case.fmt, case.axis, hadamard_method=self.hadamard_method, **kw)
+        _assert_same_qarray(q, ref)  # the same arithmetic: bit for bit, specials included
+        _assert_close_qarray(q, _lowbit(x, case.fmt, case.axis, **kw))
+
+    @pytest.mark.parametrize("case", GAIN_CASES, ids=_gain_id)
+    def test_gain_matches_quantize_with_plan(self, case):
+        if self.implementation == "xla" and case != GAIN_CASES[0]:
+            pytest.skip("the xla implementation is the reference: one case checks the plumbing")
+        fmt, axis, rounding, gain = case
+        x = _matrix((32, 64), seed=11, specials=False)
+        key = KEY if rounding == "stochastic" else None
+        q = self.quantize(x, fmt, axis, rounding=rounding, key=key, gain=gain)
+        oracle, ungained, fake, ungained_codes = _gain_oracle(x, key, fmt, axis, rounding, gain)
+        _assert_same_qarray(q, oracle)
+        # the codes hold the gained elements: ungained, lowbit's fake-quantized values
+        np.testing.assert_array_equal(np.asarray(ungained), np.asarray(fake))
+        assert np.mean(np.asarray(q.codes) != np.asarray(ungained_codes)) > 0.1
+
     def test_rejects_bad_arguments(self):
         x = jnp.ones((32, 64))
         with pytest.raises(ValueError, match="2-D matrix"):
@@ -188,6 +344,28 @@ class QuantizeTestBase:
                 implementation=self.implementation,
                 interpret=self.interpret,
             )
+        with pytest.raises(ValueError, match=r"hadamard=24 must be one of \(16, 32"):
+            self.quantize(x, "mxfp4", hadamard=24)
+        with pytest.raises(ValueError, match=r"x.shape\[1\]=64 .* multiple of hadamard=128"):
+            self.quantize(x, "mxfp4", -1, hadamard=128)
+        with pytest.raises(ValueError, match="signs apply only with a Hadamard transform"):
+            self.quantize(x, "mxfp4", signs=jnp.ones(16))
+        with pytest.raises(ValueError, match=r"signs must have shape \(16,\)"):
+            self.quantize(x, "mxfp4", hadamard=16, signs=jnp.ones(32))
+        with pytest.raises(ValueError, match="gain must be a finite positive float"):
+            self.quantize(x, "mxfp4", gain=0.0)
+        with pytest.raises(TypeError, match="gain must be a Python float"):
+            self.quantize(x, "mxfp4", gain=jnp.float32(0.75))
+        with pytest.raises(ValueError, match="block_cols=32 must be a multiple of the Hadamard"):
+            quantize(
+                x,
+                "mxfp4",
+                -1,
+                hadamard=64,
+                config=Config(16, 32),
+                implementation=self.implementation,
+                interpret=self.interpret,
+            )
 
 
 class TestQuantizeXla(QuantizeTestBase):
@@ -197,11 +375,12 @@ class TestQuantizeXla(QuantizeTestBase):
 class TestQuantizePallasInterpret(QuantizeTestBase):
     implementation = "pallas"
     interpret = True
+    hadamard_method = "butterfly"
 
-    def config(self, shape, fmt, axis) -> Config:
+    def config(self, shape, fmt, axis, hadamard=None) -> Config:
         # Tiles smaller than the matrix: several programs, both grid axes.
-        bs = lb.formats.get(fmt).block_size
-        return Config(16, 2 * bs) if axis % 2 == 1 else Config(2 * bs, 16)
+        along = max(2 * lb.formats.get(fmt).block_size, hadamard or 1)
+        return Config(16, along) if axis % 2 == 1 else Config(along, 16)
 
     def test_default_config_runs(self):
         x = _matrix((64, 128), seed=8)
@@ -235,28 +414,78 @@ def test_default_config_is_valid(shape, axis, fmt):
     cfg = get_default(shape, fmt, axis)
     cfg.check(fmt, axis)
     assert cfg.block_rows * cfg.block_cols <= 8192
+    for b in (16, 256):
+        cfg = get_default(shape, fmt, axis, hadamard=b)
+        cfg.check(fmt, axis, b)
+        assert cfg.block_rows * cfg.block_cols <= 8192
 
 
-def test_config_rejects_non_powers_of_two():
-    with pytest.raises(ValueError, match="power of two"):
-        Config(24, 64)
+def test_numerics_substitutes_match_lowbit():
+    """pallas_kernels._numerics' substitutes (stochastic rounding, MX INT8 codes) against
+    lowbit's own functions, bit for bit, on every element format over its range (saturation
+    and the subnormal binade included)."""
+    rng = np.random.default_rng(0)
+    v = rng.standard_normal(8192) * np.exp2(rng.uniform(-12, 2, 8192))
+    v = jnp.asarray(v.astype(np.float32))
+    rbits = jax.random.bits(jax.random.key(0), v.shape, jnp.uint32)
+
+    @jax.jit
+    def both(v, rbits):
+        out = {}
+        for name, elem in LB_ELEMS.items():
+            w = v * np.float32(elem.max / 4)
+            q = lowbit_numerics.round_to_grid(w, elem, saturate=True)
+            out[name] = (
+                nx.round_to_grid(w, elem, rbits, saturate=True),
+                lowbit_numerics.round_to_grid(w, elem, rbits=rbits, saturate=True),
+                nx.encode(q, elem),
+                lowbit_qarray.encode_elements(q, elem).astype(jnp.int32),
+            )
+        return out
+
+    for name, (ours, theirs, codes, lowbit_codes) in both(v, rbits).items():
+        np.testing.assert_array_equal(
+            np.asarray(ours).view(np.uint32), np.asarray(theirs).view(np.uint32), err_msg=name
+        )
+        np.testing.assert_array_equal(np.asarray(codes), np.asarray(lowbit_codes), err_msg=name)
 
 
 # --------------------------------------------------------------------------------------------
 # CUDA lowering: every kernel configuration (format x axis x rounding, both input dtypes)
 
 
-def _export(fmt, axis, rounding, dtype=jnp.float32, shape=(64, 128), config=None, tensor_amax=None):
-    config = config or get_default(shape, fmt, axis)
-    spec = jax.ShapeDtypeStruct(shape, dtype)
-    key_spec = jax.ShapeDtypeStruct((2,), jnp.uint32)
+def _export(
+    fmt,
+    axis,
+    rounding,
+    dtype=jnp.float32,
+    shape=(64, 128),
+    config=None,
+    tensor_amax=None,
+    hadamard=None,
+    signs=False,
+    gain=1.0,
+):
+    config = config or get_default(shape, fmt, axis, hadamard)
+    specs = [jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct((2,), jnp.uint32)]
+    if signs:
+        specs.append(jax.ShapeDtypeStruct((hadamard,), jnp.float32))
 
-    def fn(x, key):
+    def fn(x, key, signs=None):
         return quantize_pallas(
-            x, fmt, axis, rounding=rounding, key=key, config=config, tensor_amax=tensor_amax
+            x,
+            fmt,
+            axis,
+            rounding=rounding,
+            key=key,
+            config=config,
+            tensor_amax=tensor_amax,
+            hadamard=hadamard,
+            signs=signs,
+            gain=gain,
         )
 
-    return export_for_cuda(fn, spec, key_spec)
+    return export_for_cuda(fn, *specs)
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)
@@ -284,3 +513,23 @@ def test_gpu_check_shapes_lower_for_cuda():
     for fmt, axis in (("mxfp4", -1), ("mxfp6_e2m3", 0), ("nvfp4", 0)):
         _export(fmt, axis, "nearest", shape=(8192, 8192))
     _export("nvfp4", -1, "stochastic", dtype=jnp.float32, tensor_amax=2.0)
+
+
+@pytest.mark.parametrize("case", HADAMARD_CASES, ids=_hcase_id)
+def test_hadamard_lowers_for_cuda(case: HCase):
+    # the interpret-mode tests' tiles and shapes, and the default tile of a larger operand
+    cfg = TestQuantizePallasInterpret().config(case.shape, case.fmt, case.axis, case.hadamard)
+    kw = dict(hadamard=case.hadamard, signs=case.signs, gain=case.gain)
+    exported = _export(
+        case.fmt, case.axis, case.rounding, jnp.dtype(case.dtype), case.shape, cfg, **kw
+    )
+    n_kernels = 2 if case.fmt == "nvfp4" else 1  # NVFP4: the transformed tensor's amax first
+    assert exported.mlir_module().count("xla.gpu.triton") == n_kernels
+    _export(case.fmt, case.axis, case.rounding, jnp.bfloat16, (512, 512), **kw)
+
+
+@pytest.mark.parametrize("case", GAIN_CASES, ids=_gain_id)
+def test_gain_lowers_for_cuda(case):
+    fmt, axis, rounding, gain = case
+    cfg = TestQuantizePallasInterpret().config((32, 64), fmt, axis)
+    _export(fmt, axis, rounding, shape=(32, 64), config=cfg, gain=gain)

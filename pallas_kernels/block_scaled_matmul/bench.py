@@ -15,20 +15,22 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-import lowbit as lb
+from lowbit import formats
+from lowbit.qarray import QArray
+from lowbit.qarray import quantize as lowbit_quantize
 from pallas_kernels._common import on_gpu, time_fn
 from pallas_kernels.block_scaled_matmul.api import block_scaled_matmul
 from pallas_kernels.block_scaled_matmul.reference import block_scaled_matmul_reference
 
 
 def _nbytes(x) -> int:
-    return x.nbytes if isinstance(x, lb.QArray) else x.size * x.dtype.itemsize
+    return x.nbytes if isinstance(x, QArray) else x.size * x.dtype.itemsize
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mkn", default="8192,8192,8192")
-    p.add_argument("--formats", default=",".join(lb.formats.names()))
+    p.add_argument("--formats", default=",".join(formats.names()))
     p.add_argument("--weight-only", action="store_true", help="A stays bf16")
     args = p.parse_args(argv)
     m, k, n = (int(s) for s in args.mkn.split(","))
@@ -46,8 +48,8 @@ def main(argv=None) -> None:
         f"{flops / td / 1e12:.1f} TFLOP/s" + ("" if gpu else " (no GPU: references only)")
     )
     for fmt in args.formats.split(","):
-        a = x if args.weight_only else lb.quantize(x, fmt, axis=-1)
-        b = lb.quantize(w, fmt, axis=0)
+        a = x if args.weight_only else lowbit_quantize(x, fmt, axis=-1)
+        b = lowbit_quantize(w, fmt, axis=0)
         nbytes = _nbytes(a) + _nbytes(b) + 2 * m * n
         ref = jax.jit(lambda a, b: block_scaled_matmul_reference(a, b, out_dtype=jnp.bfloat16))
         tr = time_fn(ref, (a, b))

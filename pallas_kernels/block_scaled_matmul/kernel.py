@@ -7,9 +7,10 @@ high-precision array (weight-only GEMMs such as W4A16: ``A`` bf16, ``B`` MXFP4).
 A program owns a ``[block_m, block_n]`` tile of C and loops over K in ``block_k`` steps. Each
 step loads the packed codes of both operand tiles (FP4: one byte holds two codes, split with a
 shift and a mask and interleaved with a join; FP6: three stride-3 byte loads give the 24-bit
-groups of four codes; FP8/INT8: one byte a code), decodes them with integer arithmetic (no
-lookup tables), multiplies each K-block by its scale (E8M0 as two exact powers of two, or an
-E4M3 value) and feeds the tile to a tensor-core dot with float32 accumulation.
+groups of four codes; FP8/INT8: one byte a code), decodes them with lowbit's integer
+arithmetic (``lowbit.qarray.decode_elements``: no lookup tables), multiplies each K-block by
+its scale (E8M0 as two exact powers of two, or an E4M3 value, as ``lowbit.qarray.dequantize``
+does) and feeds the tile to a tensor-core dot with float32 accumulation.
 
 Why the dequantized tile can be bf16 without loss: an MX element has at most 4 significant bits
 (MX INT8: 7) and its scale is a power of two; an NVFP4 element times its E4M3 block scale has at
@@ -38,8 +39,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from lowbit import formats as _formats
 from lowbit.formats import E4M3
-from lowbit.qarray import E8M0_NAN
-from pallas_kernels import _numerics as nx
+from lowbit.numerics import pow2
+from lowbit.qarray import E8M0_NAN, QArray, decode_elements
 from pallas_kernels._common import round_up
 from pallas_kernels.block_scaled_matmul.config import Config
 
@@ -86,16 +87,17 @@ def _load_quantized(codes_ref, scales_ref, k, bk: int, op: Operand, cdt):
         # [rows, quarter, 2, 2] with [.., a, b] = c_{2a+b}: joins only on the last axis
         c = jnp.stack([jnp.stack([c0, c2], axis=-1), jnp.stack([c1, c3], axis=-1)], axis=-1)
         c = c.reshape(rows, bk)
-    vals = nx.decode(c, elem).reshape(rows, bk // bs, bs)
+    # lowbit's code tables and scale decoding (lowbit.qarray.dequantize), in integer ops
+    vals = decode_elements(c, elem).reshape(rows, bk // bs, bs)
     nbk = bk // bs
     s = scales_ref[:, pl.ds(pl.multiple_of(k * nbk, nbk), nbk)].astype(jnp.int32)
     if fmt.is_mx:
         e = s - 127
         s_hi = jnp.clip(e, -126, 127)
-        hi = jnp.where(s == E8M0_NAN, np.float32(np.nan), nx.pow2(s_hi))
-        y = (vals * hi[:, :, None]) * nx.pow2(e - s_hi)[:, :, None]
+        hi = jnp.where(s == E8M0_NAN, np.float32(np.nan), pow2(s_hi))
+        y = (vals * hi[:, :, None]) * pow2(e - s_hi)[:, :, None]
     else:
-        y = vals * nx.decode(s, E4M3)[:, :, None]
+        y = vals * decode_elements(s, E4M3)[:, :, None]
     return y.reshape(rows, bk).astype(cdt)
 
 
@@ -223,7 +225,6 @@ def _matmul(
 def matmul_pallas(a, b, *, config: Config, out_dtype=jnp.float32, interpret: bool = False):
     """The kernel on validated operands (see :func:`block_scaled_matmul`): each a QArray
     quantized along K with 1-D blocks, or a 2-D array."""
-    from lowbit.qarray import QArray
 
     def describe(x):
         if isinstance(x, QArray):

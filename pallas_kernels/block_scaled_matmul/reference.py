@@ -1,8 +1,8 @@
 """The XLA reference of the block-scaled matmul: dequantize, then a float32 dot.
 
-``lb.dequantize`` each QArray operand to float32 (high-precision operands are upcast), multiply
-with ``Precision.HIGHEST`` (IEEE float32 on every backend: no TF32 on GPUs) and float32
-accumulation, and cast to ``out_dtype``.
+``lowbit.qarray.dequantize`` each QArray operand to float32 (high-precision operands are
+upcast), multiply with ``Precision.HIGHEST`` (IEEE float32 on every backend: no TF32 on GPUs)
+and float32 accumulation, and cast to ``out_dtype``.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-import lowbit as lb
+from lowbit.qarray import QArray, dequantize
 
 __all__ = ["block_scaled_matmul_reference", "dequantized"]
 
 
 def dequantized(x) -> jax.Array:
     """float32 values of an operand: a QArray dequantized, or an array upcast."""
-    if isinstance(x, lb.QArray):
-        return lb.dequantize(x, jnp.float32)
+    if isinstance(x, QArray):
+        return dequantize(x, jnp.float32)
     return jnp.asarray(x).astype(jnp.float32)
 
 

@@ -6,6 +6,17 @@
 >>> q = quantize(x, "mxfp4", axis=0, implementation="xla")
 >>> q.codes.shape, q.scales.shape
 ((128, 32), (128, 2))
+
+With ``hadamard=b`` the kernel quantizes lowbit's blockwise Hadamard transform of ``x`` along
+the quantized axis, computed on the tile it loaded; with ``gain`` (a recipe's ``prescale``)
+the codes hold the elements times the gain (divide dequantized values by it):
+
+>>> from lowbit.hadamard import random_signs
+>>> import jax
+>>> s = random_signs(jax.random.key(0), 32)
+>>> q = quantize(x, "mxfp4", axis=0, hadamard=32, signs=s, gain=0.75, implementation="xla")
+>>> q.codes.shape
+(128, 32)
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ from lowbit import formats as _formats
 from lowbit.qarray import ROUNDINGS, SCALE_MODES, QArray
 from pallas_kernels._common import select_implementation
 from pallas_kernels.quantize.config import Config, get_default
-from pallas_kernels.quantize.kernel import quantize_pallas
+from pallas_kernels.quantize.kernel import check_hadamard, quantize_pallas
 from pallas_kernels.quantize.reference import quantize_reference
 
 __all__ = ["quantize"]
@@ -37,12 +48,15 @@ def quantize(
     key: jax.Array | None = None,
     scale_mode: str | None = None,
     tensor_amax=None,
+    hadamard: int | None = None,
+    signs: jax.Array | None = None,
+    gain: float = 1.0,
     implementation: str | None = None,
     config: Config | None = None,
     interpret: bool = False,
 ) -> QArray:
     """Quantize the matrix ``x [R, C]`` along ``axis`` (0 or -1) to ``fmt``; a ``QArray``
-    identical to ``lowbit.quantize(x, fmt, axis, ...)``.
+    identical to ``lowbit.quantize(x, fmt, axis, ...)`` (see below for ``hadamard``, ``gain``).
 
     Args:
       x: 2-D float32, bfloat16 or float16 matrix.
@@ -50,6 +64,19 @@ def quantize(
       axis: the axis the blocks run along: -1/1 (rows, the forward GEMM's activations) or
         0/-2 (columns, for the backward GEMMs).
       rounding, key, scale_mode, tensor_amax: as in ``lowbit.quantize``.
+      hadamard: None, or a Hadamard block size (16..256, a divisor of ``x.shape[axis]``):
+        quantize ``lowbit.hadamard.hadamard_transform(x, hadamard, signs=signs, axis=axis)``
+        (NVFP4's tensor amax is that of the transformed tensor). The kernel transforms each
+        tile in registers with lowbit's fixed-order butterfly: bit-identical to
+        ``hadamard_transform(..., method="butterfly")``, and to lowbit's default dense form
+        wherever that form's arithmetic is exact (to float32 rounding elsewhere).
+      signs: the ``[hadamard]`` vector of +-1 of a randomised transform (e.g.
+        ``lowbit.hadamard.random_signs``), or None.
+      gain: a static positive float, the plan gain of ``lowbit.qarray.make_plan(...,
+        gain=gain)`` (a recipe's ``QuantSpec.prescale``): block scales are chosen from the
+        (transformed) input, the scaled elements multiplied by ``gain`` before rounding, so
+        the codes hold the gained elements; ``lowbit.qarray.ungain`` (divide by ``gain``)
+        the dequantized values. Bit-identical to ``lowbit.qarray.quantize_with_plan``.
       implementation: ``"xla"`` (the reference), ``"pallas"`` (the kernel; falls back to the
         reference with a warning when it cannot run), or None (the kernel on a GPU).
       config: the kernel's tile (default: :func:`get_default`).
@@ -87,10 +114,11 @@ def quantize(
                     f"tensor_amax must be a finite non-negative scalar, got {tensor_amax}"
                 )
     ax = axis % 2
+    check_hadamard(x.shape, ax, hadamard, signs, gain)
     if config is not None:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a quantize.Config, got {type(config).__name__}")
-        config.check(fmt, ax)
+        config.check(fmt, ax, hadamard)
     n_padded = x.shape[1 - ax] * math.ceil(x.shape[ax] / fmt.block_size) * fmt.block_size
     if rounding == "stochastic" and n_padded >= 2**32:
         raise ValueError(f"stochastic rounding supports fewer than 2**32 elements, got {n_padded}")
@@ -103,10 +131,19 @@ def quantize(
     impl = select_implementation("quantize", implementation, interpret, unsupported)
     if impl == "xla":
         return quantize_reference(
-            x, fmt, axis, rounding=rounding, key=key, scale_mode=scale_mode, tensor_amax=tensor_amax
+            x,
+            fmt,
+            ax,
+            rounding=rounding,
+            key=key,
+            scale_mode=scale_mode,
+            tensor_amax=tensor_amax,
+            hadamard=hadamard,
+            signs=signs,
+            gain=gain,
         )
     if config is None:
-        config = get_default(x.shape, fmt, ax)
+        config = get_default(x.shape, fmt, ax, hadamard)
     return quantize_pallas(
         x,
         fmt,
@@ -117,4 +154,7 @@ def quantize(
         tensor_amax=tensor_amax,
         config=config,
         interpret=interpret,
+        hadamard=hadamard,
+        signs=signs,
+        gain=gain,
     )

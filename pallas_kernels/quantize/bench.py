@@ -2,6 +2,8 @@
 
     python -m pallas_kernels.quantize.bench                       # 8192 x 8192 bf16, all formats
     python -m pallas_kernels.quantize.bench --shape 16,8192 --formats mxfp4,nvfp4 --axis 0
+    python -m pallas_kernels.quantize.bench --formats mxfp4 --rounding stochastic \
+        --hadamard 32 --gain 0.75                                 # a fused Hadamard and gain
 
 Needs a GPU for the kernel; elsewhere it times the reference only. Prints microseconds, GB/s
 (input read plus packed output written) and the kernel's speed-up over the reference, after
@@ -15,7 +17,8 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-import lowbit as lb
+from lowbit import formats
+from lowbit.hadamard import random_signs
 from pallas_kernels._common import on_gpu, time_fn
 from pallas_kernels.quantize.api import quantize
 from pallas_kernels.quantize.reference import quantize_reference
@@ -24,10 +27,12 @@ from pallas_kernels.quantize.reference import quantize_reference
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="8192,8192")
-    p.add_argument("--formats", default=",".join(lb.formats.names()))
+    p.add_argument("--formats", default=",".join(formats.names()))
     p.add_argument("--axis", type=int, default=-1)
     p.add_argument("--rounding", default="nearest", choices=["nearest", "stochastic"])
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--hadamard", type=int, default=None, help="fused Hadamard block (16..256)")
+    p.add_argument("--gain", type=float, default=1.0, help="prescale gain")
     args = p.parse_args(argv)
     shape = tuple(int(s) for s in args.shape.split(","))
     key = jax.random.key(0)
@@ -35,10 +40,13 @@ def main(argv=None) -> None:
     gpu = on_gpu()
     print(
         f"{jax.default_backend()}: quantize {shape} {args.dtype} axis={args.axis} "
-        f"{args.rounding}" + ("" if gpu else " (no GPU: reference only)")
+        f"{args.rounding} hadamard={args.hadamard} gain={args.gain}"
+        + ("" if gpu else " (no GPU: reference only)")
     )
     for fmt in args.formats.split(","):
-        kw = dict(rounding=args.rounding)
+        kw = dict(rounding=args.rounding, gain=args.gain)
+        if args.hadamard is not None:
+            kw.update(hadamard=args.hadamard, signs=random_signs(key, args.hadamard))
         ref = jax.jit(lambda x, k, f=fmt, kw=kw: quantize_reference(x, f, args.axis, key=k, **kw))
         tr = time_fn(ref, (x, key))
         q = ref(x, key)

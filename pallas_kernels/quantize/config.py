@@ -3,10 +3,13 @@
 A program quantizes one ``[block_rows, block_cols]`` tile of the input matrix ``x [R, C]``:
 ``block_rows`` runs along ``x``'s axis 0 and ``block_cols`` along axis 1, whichever axis is
 quantized. The extent along the quantized axis must be a multiple of the format's block (32 for
-MX, 16 for NVFP4); both must be powers of two (Triton tensors are).
+MX, 16 for NVFP4) and of the Hadamard block when the kernel applies one (16..256); both
+extents must be powers of two (Triton tensors are).
 
 >>> get_default((4096, 4096), "mxfp4", axis=-1)
 Config(block_rows=16, block_cols=256, num_warps=4)
+>>> get_default((4096, 4096), "mxfp4", axis=0, hadamard=256)
+Config(block_rows=256, block_cols=16, num_warps=4)
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ class Config:
         if self.num_warps > 32:
             raise ValueError(f"num_warps={self.num_warps} must be at most 32")
 
-    def check(self, fmt, axis: int) -> None:
-        """Raise ValueError if this tile cannot quantize ``fmt`` along ``axis`` (0 or 1)."""
+    def check(self, fmt, axis: int, hadamard: int | None = None) -> None:
+        """Raise ValueError if this tile cannot quantize ``fmt`` along ``axis`` (0 or 1), with
+        a Hadamard transform of block ``hadamard`` (None: none) inside the kernel."""
         fmt = _formats.get(fmt)
         bs = fmt.block_size
+        axis = axis % 2
         along = self.block_cols if axis == 1 else self.block_rows
         name = "block_cols" if axis == 1 else "block_rows"
         if along % bs:
@@ -46,22 +51,29 @@ class Config:
                 f"{name}={along} must be a multiple of {fmt.name}'s block size {bs} "
                 f"(the tile extent along the quantized axis {axis})"
             )
+        if hadamard is not None and along % hadamard:
+            raise ValueError(
+                f"{name}={along} must be a multiple of the Hadamard block {hadamard} "
+                f"(the tile extent along the quantized axis {axis})"
+            )
 
 
-def get_default(shape: tuple[int, int], fmt, axis: int = -1) -> Config:
+def get_default(shape: tuple[int, int], fmt, axis: int = -1, hadamard: int | None = None) -> Config:
     """A tile for quantizing ``x`` of ``shape`` along ``axis``: about 4096 elements a program,
     long along the quantized axis for ``axis=-1`` (contiguous rows), square for ``axis=0``
-    (the tile is transposed in registers), no larger than the padded matrix."""
+    (the tile is transposed in registers), no larger than the padded matrix, and at least
+    one ``hadamard`` block long along the quantized axis."""
     fmt = _formats.get(fmt)
     bs = fmt.block_size
+    hb = hadamard or 1
     r, c = shape
     axis = axis % 2
     if axis == 1:
         cp = round_up(c, bs)
-        block_cols = max(bs, pow2_divisor(cp, 256))
+        block_cols = max(bs, hb, pow2_divisor(cp, 256))
         block_rows = max(1, min(4096 // block_cols, next_pow2(r)))
     else:
         rp = round_up(r, bs)
-        block_rows = max(bs, pow2_divisor(rp, 64))
-        block_cols = max(1, min(64, next_pow2(c)))
+        block_rows = max(bs, hb, pow2_divisor(rp, 64))
+        block_cols = max(1, min(64, 4096 // block_rows, next_pow2(c)))
     return Config(block_rows=block_rows, block_cols=block_cols, num_warps=4)

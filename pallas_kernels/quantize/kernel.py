@@ -1,23 +1,40 @@
 """Fused block quantization of a 2-D matrix in one Pallas Triton kernel.
 
 One program reads a ``[block_rows, block_cols]`` tile of ``x`` (bf16, f16 or f32), transposes it
-in registers when the blocks run along axis 0, and writes the tile's packed codes and block
-scales in ``lowbit.quantize``'s layout (quantized axis last): block amax as an integer max of
-the bit patterns, shared exponent or E4M3 scale, scaling, saturation, rounding (nearest even,
-or stochastic with lowbit's counter hash of each element's flat index in that layout), element
-codes, packing (two FP4 codes a byte low nibble first; four FP6 codes in three bytes, written
-with three stride-3 stores; one byte for FP8 and INT8). NVFP4's tensor amax is one XLA
-reduction before the kernel (it needs the whole tensor).
+in registers when the blocks run along axis 0, optionally applies lowbit's blockwise
+(randomised) Hadamard transform along the quantized axis to the tile it holds, and writes the
+tile's packed codes and block scales in ``lowbit.quantize``'s layout (quantized axis last):
+block amax as an integer max of the bit patterns, shared exponent or E4M3 scale, scaling, an
+optional gain, saturation, rounding (nearest even, or stochastic with lowbit's counter hash of
+each element's flat index in that layout), element codes, packing (two FP4 codes a byte low
+nibble first; four FP6 codes in three bytes, written with three stride-3 stores; one byte for
+FP8 and INT8). NVFP4's tensor amax is one reduction before the kernel (it needs the whole
+tensor): an XLA reduction of ``x``, or, with a Hadamard transform, a small Pallas kernel that
+transforms each tile the same way and writes its finite maximum.
 
-The result is bit-identical to ``lowbit.quantize`` (tests/test_pallas_quantize.py); the
-numerics are :mod:`pallas_kernels._numerics`. Shapes that are not multiples of the tile are
+The result is bit-identical to ``lowbit.quantize`` (``lowbit.qarray.quantize_with_plan`` with
+the plan's ``gain``; tests/test_pallas_quantize.py); the numerics are lowbit's own, with the
+substitutes in :mod:`pallas_kernels._numerics`. Shapes that are not multiples of the tile are
 zero-padded before the kernel and the outputs sliced (zeros quantize to zero codes, as lowbit's
 own padding does).
+
+The Hadamard transform (``hadamard=b``) is the fixed-order butterfly of
+``lowbit.hadamard.hadamard_transform(..., method="butterfly")``, operation for operation: the
+signs (exact), ``log2(b)`` stages of sums and differences, one multiplication by
+``float32(1/sqrt(b))``, and the rounding to ``x``'s dtype that ``hadamard_transform`` returns.
+The stages are in constant-geometry order (each pairs the first half of every block with its
+second half and interleaves the sums and differences), which combines the same operands as
+lowbit's in-place stages ``h = b/2, ..., 1`` and ends in the natural order: reshape, an equal
+split and a last-axis stack, all of which Triton lowers (no value slicing, no gathers). So the
+kernel's transformed values equal lowbit's butterfly bit for bit, and lowbit's default dense
+form (a matmul, whose summation order is the backend's) to float32 rounding.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -28,31 +45,109 @@ from jax.experimental.pallas import triton as plgpu
 
 from lowbit import formats as _formats
 from lowbit.formats import E4M3
-from lowbit.qarray import E8M0_NAN, NVFP4_TENSOR_DIVISOR, UE4M3_NAN, QArray
+from lowbit.hadamard import BLOCK_SIZES as HADAMARD_SIZES
+from lowbit.numerics import hash_constants, hashed_bits, pow2
+from lowbit.qarray import E8M0_NAN, UE4M3_NAN, QArray, mx_scale_exponent, nvfp4_tensor_scale
 from pallas_kernels import _numerics as nx
 from pallas_kernels._common import round_up
 from pallas_kernels.quantize.config import Config
 
-__all__ = ["quantize_pallas", "tensor_scale"]
+__all__ = ["quantize_pallas", "hadamard_rows", "check_hadamard"]
 
 
-def _kernel(*refs, fmt, axis, stochastic, scale_mode, stride, index_stride, interpret):
+def check_hadamard(x_shape, axis: int, hadamard, signs, gain) -> None:
+    """Raise ValueError for a Hadamard block, signs or gain the kernel cannot take."""
+    if hadamard is None:
+        if signs is not None:
+            raise ValueError("signs apply only with a Hadamard transform: pass hadamard=b")
+    else:
+        if isinstance(hadamard, bool) or hadamard not in HADAMARD_SIZES:
+            raise ValueError(f"hadamard={hadamard!r} must be one of {HADAMARD_SIZES} or None")
+        n = x_shape[axis]
+        if n % hadamard:
+            raise ValueError(
+                f"x.shape[{axis}]={n} (the quantized axis) must be a multiple of {hadamard=}"
+            )
+        if signs is not None and tuple(np.shape(signs)) != (hadamard,):
+            raise ValueError(f"signs must have shape ({hadamard},), got {np.shape(signs)}")
+    if isinstance(gain, (jax.Array, bool)) or not isinstance(gain, numbers.Real):
+        raise TypeError(f"gain must be a Python float (static), got {gain!r}")
+    if not (math.isfinite(gain) and gain > 0):
+        raise ValueError(f"gain must be a finite positive float, got {gain}")
+
+
+def hadamard_rows(v: jax.Array, b: int, signs: jax.Array | None = None) -> jax.Array:
+    """``hadamard_transform(v, b, signs=signs, method="butterfly")`` of float32 ``v [R, C]``
+    along its last axis, in Triton-lowerable operations (see the module docstring)."""
+    rows, cols = v.shape
+    n, h = rows * cols // b, b // 2
+    y = v.reshape(n, b)
+    if signs is not None:
+        y = y * signs.reshape(1, b)
+    for _ in range(b.bit_length() - 1):
+        top, bot = jnp.split(y.reshape(n, 2, h), 2, axis=1)
+        top, bot = top.reshape(n, h), bot.reshape(n, h)
+        y = jnp.stack([top + bot, top - bot], axis=-1).reshape(n, b)
+    y = y * np.float32(1.0 / math.sqrt(b))
+    return y.reshape(rows, cols)
+
+
+def _load(x_ref, signs_ref, *, axis, hadamard, valid):
+    """The program's tile as float32 in the moved layout (quantized axis last), transformed.
+
+    ``valid``: with random signs, the transform of zero padding can hold -0, whose codes
+    differ from the +0 of lowbit's padding; where such padding is in the output (a Hadamard
+    block shorter than the format's block), positions ``>= valid`` along the quantized axis
+    are set to +0.
+    """
+    x = x_ref[...]
+    dtype = x.dtype
+    x = x.astype(jnp.float32)
+    if axis == 0:
+        x = x.T  # rows of the moved layout ([C, R]): blocks run along the last axis
+    if hadamard is None:
+        return x
+    x = hadamard_rows(x, hadamard, None if signs_ref is None else signs_ref[...])
+    if dtype != jnp.float32:  # hadamard_transform returns x's dtype
+        x = x.astype(dtype).astype(jnp.float32)
+    if valid is not None:
+        cols = x.shape[1]
+        start = pl.program_id(1 if axis == 1 else 0) * cols
+        pos = lax.broadcasted_iota(jnp.int32, x.shape, 1) + start
+        x = jnp.where(pos < valid, x, np.float32(0))
+    return x
+
+
+def _kernel(
+    *refs,
+    fmt,
+    axis,
+    stochastic,
+    scale_mode,
+    stride,
+    index_stride,
+    interpret,
+    hadamard,
+    has_signs,
+    valid,
+    gain,
+):
     it = iter(refs)
     x_ref = next(it)
+    signs_ref = next(it) if has_signs else None
     key_ref = next(it) if stochastic else None
     t_ref = next(it) if fmt.tensor_scale else None
     codes_ref, scales_ref = next(it), next(it)
     elem, bs = fmt.elem, fmt.block_size
 
-    x = x_ref[...].astype(jnp.float32)
-    block_rows, block_cols = x.shape
-    if axis == 0:
-        x = x.T  # rows of the moved layout ([C, R]): blocks run along the last axis
+    block_rows, block_cols = x_ref.shape
+    x = _load(x_ref, signs_ref, axis=axis, hadamard=hadamard, valid=valid)
     rows, cols = x.shape
     nb = cols // bs
     xb = x.reshape(rows, nb, bs)
     # Block amax on bit patterns: integer order is float order for |x|; NaN > Inf > finite.
     amax_bits = jnp.max(lax.bitcast_convert_type(xb, jnp.int32) & 0x7FFFFFFF, axis=2, keepdims=True)
+    amax = lax.bitcast_convert_type(amax_bits, jnp.float32)
     finite = amax_bits < nx.INF_BITS
 
     rbits = None
@@ -74,18 +169,20 @@ def _kernel(*refs, fmt, axis, stochastic, scale_mode, stride, index_stride, inte
             idx = r.astype(jnp.uint32) * jnp.uint32(stride) + c.astype(jnp.uint32)
         else:
             idx = c.astype(jnp.uint32) * jnp.uint32(index_stride) + r.astype(jnp.uint32)
-        rbits = nx.hashed_bits(idx, key_ref[0], key_ref[1])
+        rbits = hashed_bits(idx, key_ref[0], key_ref[1])
 
+    # The steps of lowbit.qarray's block quantizer, in its order.
     if fmt.is_mx:
-        e = nx.mx_scale_exponent(amax_bits, elem, scale_mode)
+        e = mx_scale_exponent(amax, elem, scale_mode)
         scode = jnp.where(finite, e + 127, E8M0_NAN)
         d_hi = jnp.clip(-e, -126, 127)
-        v = xb * nx.pow2(d_hi)
+        v = xb * pow2(d_hi)
         if elem.emax == 0:  # MX INT8 can need 2**-e == 2**-127
-            v = v * nx.pow2(-e - d_hi)
+            v = v * pow2(-e - d_hi)
+        if gain != 1.0:
+            v = v * np.float32(gain)
     else:  # NVFP4
         div = functools.partial(nx.ieee_div, interpret=interpret)
-        amax = lax.bitcast_convert_type(amax_bits, jnp.float32)
         t = t_ref[0]
         s_raw = jnp.minimum(div(div(amax, np.float32(elem.max)), t), np.float32(E4M3.max))
         s = nx.round_to_grid(jnp.where(t > 0, s_raw, np.float32(0)), E4M3)
@@ -94,11 +191,11 @@ def _kernel(*refs, fmt, axis, stochastic, scale_mode, stride, index_stride, inte
         inv_t = div(jnp.full(s.shape, 1.0, jnp.float32), jnp.broadcast_to(t, s.shape))
         r = jnp.where(live, div(inv_t, jnp.where(live, s, 1.0)), 0.0)
         v = xb * r
-        scode = jnp.where(finite, nx.encode(s, E4M3), UE4M3_NAN)
-    v = jnp.clip(v, -elem.max, elem.max)
-    if not fmt.is_mx:
+        if gain != 1.0:
+            v = v * np.float32(gain)
         v = jnp.where(r > 0, v, np.float32(0))
-    q = nx.round_to_grid(v, elem, rbits)
+        scode = jnp.where(finite, nx.encode(s, E4M3), UE4M3_NAN)
+    q = nx.round_to_grid(v, elem, rbits, saturate=True)
     q = jnp.where(finite, q, np.float32(0))  # a NaN/Inf block: NaN scale, zero codes
     codes = nx.encode(q, elem).reshape(rows, cols)
 
@@ -117,24 +214,53 @@ def _kernel(*refs, fmt, axis, stochastic, scale_mode, stride, index_stride, inte
     scales_ref[...] = scode.reshape(rows, nb).astype(jnp.uint8)
 
 
-def tensor_scale(x: jax.Array, tensor_amax=None) -> jax.Array:
-    """NVFP4's float32 tensor scale ``amax / (448 * 6)``, as ``lowbit.quantize`` computes it
-    (amax over finite values, on bit patterns; a correctly rounded division)."""
-    if tensor_amax is None:
-        bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
-        bits = jnp.where(bits < nx.INF_BITS, bits, 0)
-        tamax = lax.bitcast_convert_type(jnp.max(bits), jnp.float32)
-    else:
-        tamax = jnp.asarray(tensor_amax, jnp.float32)
-    d = np.float32(NVFP4_TENSOR_DIVISOR)
-    return tamax / (d + tamax * np.float32(0))
+def _amax_kernel(*refs, axis, hadamard, has_signs):
+    """One program's finite maximum of ``|transformed tile|`` (int32 bit pattern)."""
+    it = iter(refs)
+    x_ref = next(it)
+    signs_ref = next(it) if has_signs else None
+    o_ref = next(it)
+    x = _load(x_ref, signs_ref, axis=axis, hadamard=hadamard, valid=None)
+    bits = lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF
+    bits = jnp.where(bits < nx.INF_BITS, bits, 0)  # NaN and Inf do not count
+    o_ref[...] = jnp.max(bits).reshape(1, 1)
+
+
+def _finite_amax(x: jax.Array) -> jax.Array:
+    """max |x| over finite values (float32; as lowbit.quantize: on bit patterns)."""
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
+    bits = jnp.where(bits < nx.INF_BITS, bits, 0)
+    return lax.bitcast_convert_type(jnp.max(bits), jnp.float32)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("fmt", "axis", "stochastic", "scale_mode", "config", "interpret"),
+    static_argnames=(
+        "fmt",
+        "axis",
+        "stochastic",
+        "scale_mode",
+        "config",
+        "interpret",
+        "hadamard",
+        "gain",
+    ),
 )
-def _quantize(x, key_consts, tensor_amax, *, fmt, axis, stochastic, scale_mode, config, interpret):
+def _quantize(
+    x,
+    key_consts,
+    tensor_amax,
+    signs,
+    *,
+    fmt,
+    axis,
+    stochastic,
+    scale_mode,
+    config,
+    interpret,
+    hadamard,
+    gain,
+):
     fmt = _formats.get(fmt)
     bs = fmt.block_size
     bits = fmt.elem.bits
@@ -143,28 +269,53 @@ def _quantize(x, key_consts, tensor_amax, *, fmt, axis, stochastic, scale_mode, 
     rp, cp = round_up(r, br), round_up(c, bc)
     if (rp, cp) != (r, c):
         x = jnp.pad(x, ((0, rp - r), (0, cp - c)))
+    n = c if axis == 1 else r  # length of the quantized axis
+    stride = round_up(n, bs)
     if axis == 1:
-        stride = round_up(c, bs)
         out_rows, out_len = rp, cp
         out_block = (br, bc)
         out_map = lambda i, j: (i, j)
     else:
-        stride = round_up(r, bs)
         out_rows, out_len = cp, rp
         out_block = (bc, br)
         out_map = lambda i, j: (j, i)
+    grid = (rp // br, cp // bc)
+    compiler_params = plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1)
+    has_signs = signs is not None
 
-    inputs = [x]
-    in_specs = [pl.BlockSpec((br, bc), lambda i, j: (i, j))]
+    x_inputs, x_specs = [x], [pl.BlockSpec((br, bc), lambda i, j: (i, j))]
+    if has_signs:
+        x_inputs.append(signs.astype(jnp.float32))
+        x_specs.append(pl.BlockSpec((hadamard,), lambda i, j: (0,)))
+    inputs, in_specs = list(x_inputs), list(x_specs)
     if stochastic:
         inputs.append(key_consts)
         in_specs.append(pl.BlockSpec((2,), lambda i, j: (0,)))
     t = None
     if fmt.tensor_scale:
-        t = tensor_scale(x, tensor_amax)
+        if tensor_amax is not None:
+            tamax = jnp.asarray(tensor_amax, jnp.float32)
+        elif hadamard is None:
+            tamax = _finite_amax(x)
+        else:  # the amax of the transformed tensor, transformed tile by tile as below
+            tile_amax = pl.pallas_call(
+                functools.partial(_amax_kernel, axis=axis, hadamard=hadamard, has_signs=has_signs),
+                grid=grid,
+                in_specs=x_specs,
+                out_specs=pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+                out_shape=jax.ShapeDtypeStruct(grid, jnp.int32),
+                compiler_params=compiler_params,
+                interpret=interpret,
+                name=f"quantize_amax_hadamard{hadamard}_axis{axis}",
+            )(*x_inputs)
+            tamax = lax.bitcast_convert_type(jnp.max(tile_amax), jnp.float32)
+        t = nvfp4_tensor_scale(tamax)
         inputs.append(t.reshape(1))
         in_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
 
+    # -0 from transformed zero padding is visible only where the output keeps padding
+    # (stride > n), which happens only for a Hadamard block shorter than the format's.
+    valid = n if (has_signs and stride != n) else None
     kernel = functools.partial(
         _kernel,
         fmt=fmt,
@@ -174,10 +325,15 @@ def _quantize(x, key_consts, tensor_amax, *, fmt, axis, stochastic, scale_mode, 
         stride=stride,
         index_stride=c,  # axis 0: the tensor's row length (its columns are not padded)
         interpret=interpret,
+        hadamard=hadamard,
+        has_signs=has_signs,
+        valid=valid,
+        gain=gain,
     )
+    name = f"quantize_{fmt.name}_axis{axis}" + (f"_hadamard{hadamard}" if hadamard else "")
     codes, scales = pl.pallas_call(
         kernel,
-        grid=(rp // br, cp // bc),
+        grid=grid,
         in_specs=in_specs,
         out_specs=(
             pl.BlockSpec((out_block[0], out_block[1] * bits // 8), out_map),
@@ -187,9 +343,9 @@ def _quantize(x, key_consts, tensor_amax, *, fmt, axis, stochastic, scale_mode, 
             jax.ShapeDtypeStruct((out_rows, out_len * bits // 8), jnp.uint8),
             jax.ShapeDtypeStruct((out_rows, out_len // bs), jnp.uint8),
         ),
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        compiler_params=compiler_params,
         interpret=interpret,
-        name=f"quantize_{fmt.name}_axis{axis}",
+        name=name,
     )(*inputs)
     n_rows = r if axis == 1 else c
     if codes.shape != (n_rows, stride * bits // 8):
@@ -209,12 +365,23 @@ def quantize_pallas(
     tensor_amax=None,
     config: Config,
     interpret: bool = False,
+    hadamard: int | None = None,
+    signs: jax.Array | None = None,
+    gain: float = 1.0,
 ) -> QArray:
-    """The kernel on validated arguments (see :func:`pallas_kernels.quantize.quantize`)."""
+    """The kernel on validated arguments (see :func:`pallas_kernels.quantize.quantize`).
+
+    ``hadamard``, ``signs``: quantize ``hadamard_transform(x, hadamard, signs=signs,
+    axis=axis)``, transformed inside the kernel. ``gain``: the plan gain of
+    ``lowbit.qarray.make_plan(..., gain=gain)`` (codes hold the gained elements; divide
+    dequantized values by it).
+    """
     fmt = _formats.get(fmt)
     axis = axis % 2
+    check_hadamard(x.shape, axis, hadamard, signs, gain)
+    config.check(fmt, axis, hadamard)
     stochastic = rounding == "stochastic"
-    key_consts = nx.hash_constants(key) if stochastic else None
+    key_consts = jnp.stack(hash_constants(key)) if stochastic else None
     if fmt.is_mx:
         scale_mode = "floor" if scale_mode is None else scale_mode
         tensor_amax = None
@@ -224,12 +391,15 @@ def quantize_pallas(
         x,
         key_consts,
         tensor_amax,
+        None if signs is None else jnp.asarray(signs),
         fmt=fmt.name,
         axis=axis,
         stochastic=stochastic,
         scale_mode=scale_mode,
         config=config,
         interpret=interpret,
+        hadamard=hadamard,
+        gain=float(gain),
     )
     return QArray(
         codes=codes,

@@ -1,7 +1,12 @@
-"""The XLA reference of the quantize kernel: ``lowbit.quantize`` itself.
+"""The XLA reference of the quantize kernel: lowbit's Hadamard transform and quantizer.
 
-The kernel must return the very same :class:`lowbit.QArray` (codes, scales, tensor scale, bit
-for bit) for a 2-D input quantized along axis 0 or 1 with 1-D blocks.
+``quantize_reference(x, fmt, axis, ...)`` is ``lowbit.quantize`` itself, preceded, with
+``hadamard=b``, by ``lowbit.hadamard.hadamard_transform(x, b, signs=signs, axis=axis)``, and
+with a ``gain`` by ``lowbit.qarray.quantize_with_plan`` for ``make_plan(..., gain=gain)``. The
+kernel must return the very same :class:`lowbit.qarray.QArray` (codes, scales, tensor scale,
+bit for bit) for a 2-D input quantized along axis 0 or 1 with 1-D blocks: always without a
+Hadamard transform, and with one where the transform's arithmetic is exact or where the
+reference transforms with ``hadamard_method="butterfly"`` (the kernel's fixed order).
 """
 
 from __future__ import annotations
@@ -10,16 +15,24 @@ import functools
 
 import jax
 
-import lowbit as lb
+from lowbit import formats as _formats
+from lowbit.hadamard import hadamard_transform
+from lowbit.qarray import QArray, make_plan, quantize_with_plan
 
 __all__ = ["quantize_reference"]
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "axis", "rounding", "scale_mode"))
-def _quantize_jit(x, key, tensor_amax, *, fmt, axis, rounding, scale_mode):
-    return lb.quantize(
-        x, fmt, axis, rounding=rounding, key=key, scale_mode=scale_mode, tensor_amax=tensor_amax
-    )
+@functools.partial(
+    jax.jit,
+    static_argnames=("fmt", "axis", "rounding", "scale_mode", "hadamard", "method", "gain"),
+)
+def _quantize_jit(
+    x, key, tensor_amax, signs, *, fmt, axis, rounding, scale_mode, hadamard, method, gain
+):
+    if hadamard is not None:
+        x = hadamard_transform(x, hadamard, signs=signs, axis=axis, method=method)
+    plan = make_plan(x.shape, fmt, axis, None, scale_mode, rounding, key, tensor_amax, gain=gain)
+    return quantize_with_plan(x, plan, key, tensor_amax)
 
 
 def quantize_reference(
@@ -31,9 +44,28 @@ def quantize_reference(
     key: jax.Array | None = None,
     scale_mode: str | None = None,
     tensor_amax=None,
-) -> lb.QArray:
-    """``lb.quantize(x, fmt, axis, ...)`` with 1-D blocks of the format's size (jitted)."""
-    fmt = lb.formats.get(fmt).name
+    hadamard: int | None = None,
+    signs: jax.Array | None = None,
+    gain: float = 1.0,
+    hadamard_method: str | None = None,
+) -> QArray:
+    """``lowbit.quantize(hadamard_transform(x, hadamard, signs=signs, axis=axis), fmt, axis,
+    ...)`` with 1-D blocks of the format's size and the plan gain ``gain`` (jitted).
+
+    ``hadamard_method``: ``hadamard_transform``'s ``method`` (None: lowbit's default for the
+    backend; ``"butterfly"``: the kernel's arithmetic).
+    """
+    fmt = _formats.get(fmt).name
     return _quantize_jit(
-        x, key, tensor_amax, fmt=fmt, axis=axis, rounding=rounding, scale_mode=scale_mode
+        x,
+        key,
+        tensor_amax,
+        signs,
+        fmt=fmt,
+        axis=axis,
+        rounding=rounding,
+        scale_mode=scale_mode,
+        hadamard=hadamard,
+        method=hadamard_method,
+        gain=float(gain),
     )
