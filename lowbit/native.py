@@ -46,6 +46,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -60,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit import hadamard as _hadamard
 from lowbit.numerics import key_words
 
 __all__ = [
@@ -286,11 +288,24 @@ def active() -> bool:
 
 def supports(plan, hadamard: int | None = None) -> bool:
     """Whether the kernel handles this quantization plan (``qarray.Plan``), with a fused
-    Hadamard transform of block ``hadamard`` along the plan's axis when that is not None."""
+    Hadamard transform of block ``hadamard`` along the plan's axis when that is not None.
+
+    1-D blocks along any axis and 2-D tiles over any two axes; a Hadamard block only with
+    1-D blocks, of a size in ``lowbit.hadamard.BLOCK_SIZES`` that divides the axis length.
+    Stochastic rounding needs fewer than 2**32 (padded) elements.
+
+    >>> from lowbit import qarray
+    >>> plan = qarray.make_plan((64, 64), "mxfp4", -1, None, None, "nearest", None, None)
+    >>> supports(plan), supports(plan, 32), supports(plan, 48)
+    (True, True, False)
+    """
+    if len(plan.axes) not in (1, 2) or len(plan.block_shape) != len(plan.axes):
+        return False
     if hadamard is not None:
-        return False
-    if len(plan.axes) != 1 or len(plan.block_shape) != 1:
-        return False
+        if len(plan.axes) != 1 or hadamard not in _hadamard.BLOCK_SIZES:
+            return False
+        if plan.shape[plan.axes[0]] % hadamard:
+            return False
     n = int(np.prod(plan.padded_shape, dtype=np.int64))
     return 0 < n and not (plan.stochastic and n >= 2**32)
 
@@ -303,31 +318,71 @@ def fake_quantize(x: jax.Array, key, tensor_amax, plan, xla_fn, *, hadamard=None
     :func:`supports` holds, ``key`` uint32[2] key data (stochastic plans), ``tensor_amax``
     NVFP4's calibrated amax or None. ``hadamard`` (a block size) and ``signs`` (float32
     ``[hadamard]`` of +-1, or None): transform along the plan's axis first, as
-    ``lowbit.hadamard.hadamard_transform(..., method="butterfly")`` does, bit for bit.
+    ``lowbit.hadamard.hadamard_transform(..., method="butterfly")`` does, bit for bit (an
+    NVFP4 tensor amax of its own is then that of the transformed tensor).
     """
-    if hadamard is not None:
-        raise NotImplementedError("the fused Hadamard transform")
+    if not supports(plan, hadamard):
+        raise ValueError(
+            f"the CPU kernel does not support this plan (block_shape {plan.block_shape} over "
+            f"axes {plan.axes} of shape {plan.shape}, hadamard={hadamard}): check supports()"
+        )
+    if hadamard is not None and signs is not None and jnp.shape(signs) != (hadamard,):
+        raise ValueError(
+            f"signs must have shape (hadamard,) = ({hadamard},), got {jnp.shape(signs)}"
+        )
     return jax.lax.platform_dependent(
         x,
-        cpu=lambda x: _call(x, key, tensor_amax, plan),
+        cpu=lambda x: _call(x, key, tensor_amax, plan, hadamard, signs),
         default=xla_fn,
     )
 
 
-def _call(x, key, tensor_amax, plan) -> jax.Array:
+def _geometry(plan) -> dict[str, np.int64]:
+    """The kernel's view of ``plan``: x as [P, A, M, C, Q] with tiles (block_a, block_c) over
+    (A, C); 1-D blocks have A = M = 1 (see ``_native/fake_quantize_cpu.cc``)."""
+    shape = plan.shape
+    pad = dict(zip(plan.axes, plan.padded, strict=True))
+    blk = dict(zip(plan.axes, plan.block_shape, strict=True))
+    if len(plan.axes) == 1:
+        (hi,) = plan.axes
+        a_len = a_pad = block_a = 1
+        outer, mid = math.prod(shape[:hi]), 1
+    else:
+        lo, hi = sorted(plan.axes)
+        a_len, a_pad, block_a = shape[lo], pad[lo], blk[lo]
+        outer, mid = math.prod(shape[:lo]), math.prod(shape[lo + 1 : hi])
+    dims = {
+        "outer": outer,
+        "a_len": a_len,
+        "a_pad": a_pad,
+        "mid": mid,
+        "c_len": shape[hi],
+        "c_pad": pad[hi],
+        "inner": math.prod(shape[hi + 1 :]),
+        "block_a": block_a,
+        "block_c": blk[hi],
+    }
+    return {k: np.int64(v) for k, v in dims.items()}
+
+
+def _call(x, key, tensor_amax, plan, hadamard, signs) -> jax.Array:
+    if hadamard is not None and x.dtype != jnp.float32:
+        # The XLA path rounds the transformed tensor to x's dtype before quantizing it:
+        # transform here, then quantize that.
+        x = _hadamard.hadamard_transform(x, hadamard, signs=signs, axis=plan.axes[0],
+                                         method="butterfly")
+        hadamard = signs = None
     fmt, elem = plan.fmt, plan.fmt.elem
-    (axis,) = plan.axes
-    (block,) = plan.block_shape
     xf = x.astype(jnp.float32)
-    if plan.padded_shape != xf.shape:
-        xf = jnp.pad(xf, [(0, p - d) for p, d in zip(plan.padded_shape, xf.shape, strict=True)])
-    inner = int(np.prod(plan.padded_shape[axis + 1 :], dtype=np.int64))
     if plan.stochastic:
         words = jnp.stack(key_words(key))
     else:
         words = jnp.zeros((2,), jnp.uint32)
     has_tamax = tensor_amax is not None
     tamax = jnp.asarray(tensor_amax if has_tamax else 0.0, jnp.float32).reshape(1)
+    has_signs = hadamard is not None and signs is not None
+    signs_in = jnp.asarray(signs, jnp.float32) if has_signs else jnp.zeros((1,), jnp.float32)
+    scale = np.float32(1.0 / math.sqrt(hadamard)) if hadamard else np.float32(1.0)
     kind = "nvfp4" if fmt.tensor_scale else ("mx_int" if elem.is_int else "mx_float")
     call = jax.ffi.ffi_call(
         TARGET, jax.ShapeDtypeStruct(xf.shape, jnp.float32), vmap_method="broadcast_all"
@@ -336,21 +391,21 @@ def _call(x, key, tensor_amax, plan) -> jax.Array:
         xf,
         words,
         tamax,
+        signs_in,
         kind=np.int32(_KINDS[kind]),
         scale_mode=np.int32(_SCALE_MODES.get(plan.scale_mode, 0)),
         mbits=np.int32(elem.mbits),
         emin=np.int32(elem.emin),
         emax=np.int32(elem.emax),
         max=np.float32(elem.max),
-        block=np.int32(block),
-        length=np.int64(plan.padded[0]),
-        inner=np.int64(inner),
         gain=np.float32(plan.gain),
         stochastic=np.int32(plan.stochastic),
         has_tensor_amax=np.int32(has_tamax),
+        **_geometry(plan),
+        hadamard=np.int32(hadamard or 0),
+        has_signs=np.int32(has_signs),
+        hadamard_scale=scale,
     )
-    if plan.padded_shape != plan.shape:
-        y = y[tuple(slice(0, d) for d in plan.shape)]
     return y.astype(x.dtype)
 
 

@@ -1,5 +1,7 @@
 """The compiled CPU kernel (``lowbit.native``): bit-identical to the XLA path, and to the
-numpy reference, everywhere ``fake_quantize`` can send it; its policy and its build.
+numpy reference, everywhere ``fake_quantize`` can send it (1-D blocks, 2-D tiles, and a fused
+Hadamard transform, against ``hadamard_transform(method="butterfly")`` then the XLA path);
+its policy and its build.
 
 Every comparison traces the same function twice, under ``lb.native.mode("off")`` (the XLA
 emulation) and ``mode("on")`` (the kernel), checks that the second really contains the custom
@@ -296,20 +298,21 @@ def test_straight_through_gradient_is_unchanged(fmt):
 
 
 @needs_kernel
-def test_clip_gradient_and_2d_tiles_keep_the_xla_path():
+def test_clip_gradient_keeps_the_xla_path():
     x = jnp.ones((32, 32))
     with native.mode("on"):
-        _, text = _compiled(lambda x: lb.fake_quantize(x, "mxfp4", block_shape=(16, 16)), (x,))
-        assert native.TARGET not in text
         g = jax.grad(lambda x: lb.fake_quantize(x, "mxfp4", clip_gradient=True).sum())
         assert native.TARGET not in jax.jit(g).lower(x).as_text()
 
 
 @needs_kernel
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "quartet"])
-def test_quantized_dot_general_forward_and_backward_match(recipe):
+def test_quantized_dot_general_forward_and_backward_match(recipe, monkeypatch):
     """``lowbit.dot_general`` quantizes its operands through the same implementation, so a
-    training step is bit-identical on both paths."""
+    training step is bit-identical on both paths: 16x16 weight tiles, and the Hadamard
+    transforms fused into the kernel (nvfp4's wgrad, quartet's backward GEMMs) once the XLA
+    path transforms with the butterfly too (its default dense form differs by rounding)."""
+    monkeypatch.setattr(lb.hadamard, "default_method", lambda *a, **k: "butterfly")
     x = jnp.asarray(RNG.standard_normal((32, 64)).astype(np.float32))
     w = jnp.asarray(RNG.standard_normal((64, 64)).astype(np.float32))
     key = jax.random.key(3)
@@ -351,6 +354,192 @@ def test_exporting_for_cpu_needs_mode_off_or_the_custom_call_allowed():
     with native.mode("off"):  # a new function: JAX reuses a function's trace across jit()s
         exp = jax.export.export(jax.jit(lambda x: fq(x)), platforms=["cpu"])(x)
         assert native.TARGET not in exp.mlir_module()
+
+
+# --------------------------------------------------------------------------------------------
+# 2-D tiles
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "shape,axes,tile",
+    [
+        ((48, 80), (0, 1), (16, 16)),  # a weight's tiles, both axes padded
+        ((40, 64), (-1, -2), (32, 16)),  # the axes named in reverse order: tile (16 rows, 32)
+        ((2, 33, 32), (1, 2), (16, 16)),  # a stack of weights
+        ((32, 3, 40), (0, 2), (16, 8)),  # an axis between the tiled ones
+        ((20, 48, 5), (0, 1), (8, 16)),  # tiles over leading axes (strided), padded
+    ],
+)
+@pytest.mark.parametrize("fmt,rounding", [("nvfp4", "nearest"), ("mxfp8_e4m3", "nearest"),
+                                          ("mxfp4", "stochastic")])
+def test_2d_tiles_match_the_xla_path(shape, axes, tile, fmt, rounding):
+    x = jnp.asarray(hard_values(shape, seed=len(shape) + tile[0]))
+    key = _key(rounding)
+    want, got = both(
+        lambda x: lb.fake_quantize(x, fmt, axes, rounding=rounding, key=key, block_shape=tile), x
+    )
+    assert_identical(want, got)
+
+
+@needs_kernel
+def test_2d_tiles_with_calibrated_tensor_amax_gain_and_vmap_match():
+    x = jnp.asarray(RNG.standard_normal((3, 32, 48)).astype(np.float32))
+    plan = _qa.make_plan(x.shape[1:], "nvfp4", (0, 1), (16, 16), None, "nearest", None, 1.5,
+                         gain=0.75)
+    want, got = both(
+        jax.vmap(lambda x, t: _qa.fake_quantize_with_plan(x, None, t, plan)[0]),
+        x, jnp.array([1.5, 0.5, 3.0], jnp.float32),
+    )
+    assert_identical(want, got)
+
+
+# --------------------------------------------------------------------------------------------
+# The fused Hadamard transform: the butterfly, then the XLA path, bit for bit
+
+
+def hadamard_pair(shape, fmt, axis, hb, *, rounding="nearest", block=None, gain=1.0,
+                  scale_mode=None, tensor_amax=None):
+    """``(reference, fused)`` functions of ``(x, signs)``: ``hadamard_transform(method=
+    "butterfly")`` then the XLA quantizer, and the kernel's fused transform."""
+    key = jax.random.key_data(jax.random.key(4)) if rounding == "stochastic" else None
+    bs = None if block is None else (block,)
+    plan = _qa.make_plan(shape, fmt, axis, bs, scale_mode, rounding, key, tensor_amax, gain=gain)
+
+    def reference(x, signs, tamax=tensor_amax):
+        xh = lb.hadamard.hadamard_transform(x, hb, signs=signs, axis=plan.axes[0],
+                                            method="butterfly")
+        return _qa.fake_quantize_with_plan_xla(xh, key, tamax, plan, False)[0]
+
+    def fused(x, signs, tamax=tensor_amax):
+        return _qa.fake_quantize_with_plan(x, key, tamax, plan, hadamard=hb, signs=signs)[0]
+
+    return reference, fused
+
+
+def both_fns(reference, fused, *args):
+    """``reference(*args)`` on the XLA path and ``fused(*args)`` with the kernel."""
+    with native.mode("off"):
+        want, text = _compiled(reference, args)
+        assert native.TARGET not in text
+    with native.mode("on"):
+        got, text = _compiled(fused, args)
+        assert native.TARGET in text, "the kernel was not used"
+    return want, got
+
+
+def _signs(hb, seed=0):
+    return lb.hadamard.random_signs(jax.random.key(100 + seed), hb)
+
+
+HADAMARD_CASES = [
+    # shape, axis, b_h, format, scale mode, rounding, quantization block, gain, also unsigned
+    ((8, 64), -1, 16, "mxfp4", None, "nearest", None, 1.0, True),  # b_h < block
+    ((6, 256), -1, 256, "mxfp4", "ceil", "stochastic", None, 0.75, False),  # b_h > block
+    ((4, 128), -1, 64, "mxfp8_e4m3", "even", "nearest", 16, 1.0, False),
+    ((3, 96), 1, 32, "mxfp6_e3m2", "rceil", "stochastic", 24, 1.0, False),  # lcm(24, 32) = 96
+    ((5, 80), -1, 16, "mxint8", None, "nearest", 32, 1.0, False),  # padded 80 -> 96
+    ((4, 48), -1, 16, "nvfp4", None, "stochastic", None, 0.75, True),
+    ((128, 6), 0, 128, "mxfp8_e5m2", None, "nearest", None, 1.0, False),  # leading (strided)
+    ((48, 20), 0, 16, "mxfp4", "floor", "stochastic", 32, 0.75, True),  # strided, 48 -> 64
+    ((64, 9), 0, 64, "nvfp4", None, "nearest", None, 1.0, False),
+    ((3, 32, 10), 1, 32, "mxfp6_e2m3", None, "nearest", 16, 1.0, False),  # middle axis
+    ((2, 256, 3), 1, 256, "nvfp4", None, "stochastic", None, 1.0, False),
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "shape,axis,hb,fmt,scale_mode,rounding,block,gain,unsigned", HADAMARD_CASES
+)
+def test_fused_hadamard_matches_the_butterfly_then_the_xla_path(
+    shape, axis, hb, fmt, scale_mode, rounding, block, gain, unsigned
+):
+    """Hard values (NaN, +-Inf, magnitudes 2**-60 .. 2**60, subnormals, near float32's max,
+    which the transform overflows into Inf and NaN), with signs (and without)."""
+    x = jnp.asarray(hard_values(shape, seed=hb + len(shape)))
+    reference, fused = hadamard_pair(shape, fmt, axis, hb, rounding=rounding, block=block,
+                                     gain=gain, scale_mode=scale_mode)
+    for signs in (_signs(hb), None) if unsigned else (_signs(hb),):
+        want, got = both_fns(reference, fused, x, signs)
+        assert_identical(want, got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("axis", [-1, 0])
+@pytest.mark.parametrize("fmt,rounding", [("mxfp4", "stochastic"), ("nvfp4", "nearest")])
+def test_fused_hadamard_on_large_arrays_split_over_threads_matches(axis, fmt, rounding):
+    x = jnp.asarray(RNG.standard_normal((256, 320)).astype(np.float32))
+    x = x.at[17, 40].set(300.0)  # an outlier, spread over its Hadamard block
+    reference, fused = hadamard_pair(x.shape, fmt, axis, 32, rounding=rounding, gain=0.75)
+    want, got = both_fns(reference, fused, x, _signs(32))
+    assert_identical(want, got)
+
+
+@needs_kernel
+@pytest.mark.parametrize("axis", [-1, 0])
+@pytest.mark.parametrize("tensor_amax", [None, 0.0, 2.0])
+def test_fused_hadamard_nvfp4_tensor_amax_is_that_of_the_transformed_tensor(axis, tensor_amax):
+    """Its own amax: of the transformed values (finite ones only; one block holds a NaN and
+    one an Inf); a calibrated one as given."""
+    x = RNG.standard_normal((64, 64)).astype(np.float32) * 4
+    x[5, 7] = 40.0
+    x[40, 50] = np.nan
+    x[20, 3] = np.inf
+    reference, fused = hadamard_pair(x.shape, "nvfp4", axis, 16, tensor_amax=tensor_amax)
+    want, got = both_fns(reference, fused, jnp.asarray(x), _signs(16))
+    assert_identical(want, got)
+
+
+@needs_kernel
+def test_fused_hadamard_of_low_precision_inputs_matches():
+    """The XLA path rounds the transform to x's dtype before quantizing it: so does the
+    kernel's path (the transform then runs in XLA)."""
+    x = jnp.asarray(RNG.standard_normal((8, 64)) * 10, jnp.bfloat16)
+    reference, fused = hadamard_pair(x.shape, "mxfp4", -1, 32, rounding="stochastic")
+    want, got = both_fns(reference, fused, x, _signs(32))
+    assert got.dtype == jnp.bfloat16
+    assert_identical(want, got)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "axis,fmt,rounding", [(-1, "mxfp4", "stochastic"), (0, "nvfp4", "nearest")]
+)
+def test_fused_hadamard_under_vmap_with_per_slice_signs_matches(axis, fmt, rounding):
+    """Batched signs (one vector per slice) and shared ones; NVFP4's own tensor amax per
+    slice."""
+    x = jnp.asarray(RNG.standard_normal((3, 32, 64)).astype(np.float32))
+    x = x * jnp.array([1.0, 50.0, 1e-3])[:, None, None]
+    signs = jnp.stack([_signs(32, seed=k) for k in range(3)])
+    reference, fused = hadamard_pair(x.shape[1:], fmt, axis, 32, rounding=rounding)
+    want, got = both_fns(jax.vmap(reference), jax.vmap(fused), x, signs)
+    assert_identical(want, got)
+    ref_shared, fused_shared = (jax.vmap(f, in_axes=(0, None)) for f in (reference, fused))
+    want, got = both_fns(ref_shared, fused_shared, x, signs[0])
+    assert_identical(want, got)
+
+
+@needs_kernel
+def test_fused_hadamard_gradient_is_straight_through():
+    """The kernel has no derivative of its own: a straight-through rule around it (as
+    lowbit's GEMMs define) gives the incoming cotangent, and the value is the kernel's."""
+    x = jnp.asarray(RNG.standard_normal((8, 64)).astype(np.float32))
+    w = jnp.asarray(RNG.standard_normal((8, 64)).astype(np.float32))
+    reference, fused = hadamard_pair(x.shape, "mxfp4", -1, 16, rounding="stochastic", gain=0.75)
+
+    def ste(f):
+        @jax.custom_jvp
+        def q(x, s):
+            return f(x, s)
+
+        q.defjvp(lambda primals, tangents: (q(*primals), tangents[0]))
+        return jax.value_and_grad(lambda x, s: jnp.sum(q(x, s) * w))
+
+    want, got = both_fns(ste(reference), ste(fused), x, _signs(16))
+    for a, b in zip(want, got, strict=True):
+        assert_identical(a, b)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(w))
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,8 +642,18 @@ def test_a_compile_error_is_reported_with_the_compiler_output(monkeypatch, tmp_p
         native._build_key.cache_clear()
 
 
-def test_supports_only_one_dimensional_blocks():
-    plan = _qa.make_plan((32, 32), "mxfp4", -1, None, None, "nearest", None, None)
-    assert native.supports(plan)
-    tile = _qa.make_plan((32, 32), "mxfp4", (0, 1), (16, 16), None, "nearest", None, None)
-    assert not native.supports(tile)
+def test_supports_says_where_the_kernel_serves():
+    def plan(shape=(32, 64), axis=-1, block=None):
+        return _qa.make_plan(shape, "mxfp4", axis, block, None, "nearest", None, None)
+
+    assert native.supports(plan())
+    assert native.supports(plan(axis=(0, 1), block=(16, 16)))
+    assert all(native.supports(plan(), b) for b in (16, 32, 64))
+    assert native.supports(plan(axis=0), 32) and not native.supports(plan(axis=0), 64)
+    assert not native.supports(plan(axis=(0, 1), block=(16, 16)), 16), "Hadamard with 2-D tiles"
+    assert not native.supports(plan(), 48) and not native.supports(plan(), 8)
+    assert not native.supports(plan(shape=(32, 0)))
+    x = jnp.ones((32, 32))
+    with pytest.raises(ValueError, match="does not support"):
+        native.fake_quantize(x, None, None, plan(axis=(0, 1), block=(16, 16)), lambda x: x,
+                             hadamard=16)

@@ -1,21 +1,41 @@
-// lowbit's CPU fast path for fake quantization: one pass over memory per block.
+// lowbit's CPU fast path for fake quantization: one pass over memory per block, with an
+// optional randomised Hadamard transform fused in front.
 //
 // XLA:CPU cannot fuse a reduction into its consumer, so the XLA emulation reads every block
-// twice (block maxima, then scale and round). This XLA FFI handler does both while the
-// block is in L1, for 1-D blocks along one axis. It computes exactly what the XLA path
-// (lowbit/qarray.py, lowbit/numerics.py) computes, operation for operation, and
-// tests/test_native.py checks that bit for bit; change one, change the other.
+// twice (block maxima, then scale and round), and a Hadamard transform before it costs
+// several more passes. This XLA FFI handler transforms, reduces, scales and rounds a chunk
+// while it is in L1/L2. It computes exactly what the XLA path (lowbit/qarray.py,
+// lowbit/numerics.py, and lowbit/hadamard.py's butterfly) computes, operation for
+// operation, and tests/test_native.py checks that bit for bit; change one, change the other.
 //
-// Layout. x is float32 [nbatch, outer, L, inner] (row-major, the quantized axis of length L
-// already zero-padded to a multiple of the block). A "unit" is `block` consecutive rows of
-// one (batch, outer): `block * inner` contiguous floats holding `inner` blocks, one per
-// column. nbatch comes from vmap (vmap_method="broadcast_all"): the key and the tensor amax
-// carry one entry per batch element, and the stochastic-rounding index restarts at zero in
+// Layout. x is float32 [nbatch, P, A, M, C, Q] (row-major, unpadded). Blocks are tiles of
+// (block_a, block_c) over the axes A and C: 1-D blocks along an axis have A = M = 1 and
+// block_a = 1; 2-D tiles span two axes with M the product of the axes between them. Each
+// axis is virtually zero-padded to a multiple of its block (A_pad, C_pad); padded elements
+// are neither read nor written, and cannot change a block's amax. Element i's stochastic-
+// rounding index is its row-major index in the padded [P, A_pad, M, C_pad, Q] array, as in
+// the XLA path. nbatch comes from vmap (vmap_method="broadcast_all"): the key, the tensor
+// amax and the signs carry one entry per batch element, and the index restarts at zero in
 // each, as in the XLA path under vmap.
 //
+// Two walks over the array. Q == 1 ("rows"): a band is block_a rows of C contiguous floats,
+// cut into segments of whole tiles; tiles are block_c consecutive floats of each row. Q > 1
+// ("strided"): a band is the block_a x block_c sub-rows of Q floats that hold a row of tiles
+// (one tile per column q), cut into column segments and vectorised over columns.
+//
+// Hadamard (1-D blocks only, along C): blocks of `hadamard` consecutive elements along C
+// (the axis length is a multiple of it), each multiplied by the signs, then butterfly stages
+// h = b/2, ..., 1 replacing (v[i], v[i + h]) by (v[i] + v[i + h], v[i] - v[i + h]), then
+// multiplied by float32(1 / sqrt(b)): lowbit.hadamard's "butterfly" form, whose arithmetic
+// is fixed (the grouping of independent pairs into vectors changes no value). A segment
+// (rows) or a band (strided) holds whole Hadamard blocks and whole quantization blocks: it
+// is transformed into a buffer, which is then quantized like x. The NVFP4 tensor amax is that
+// of the transformed tensor (a first pass transforms and reduces, a second quantizes).
+//
 // Floating point. XLA:CPU runs with denormals flushed (FTZ and DAZ); every worker here sets
-// the same mode for the duration of its work, so products, comparisons and roundings agree
-// with the XLA path on subnormal inputs and results.
+// the same mode for the duration of its work, so products, sums, comparisons and roundings
+// agree with the XLA path on subnormal inputs and results. The kernel is compiled as ISO
+// C++ (no floating-point contraction into FMAs).
 
 #include <algorithm>
 #include <atomic>
@@ -25,6 +45,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -160,8 +181,6 @@ struct Config {
   Kind kind;
   ScaleMode mode;
   Grid grid;
-  int block;
-  int64_t length, inner;
   float gain;
   bool has_gain, stochastic, has_tensor_amax;
 };
@@ -346,175 +365,573 @@ void FactorsOf(const uint32_t* m, int64_t n, const Config& c, float t, const Gri
   }
 }
 
-// Units whose blocks are contiguous (inner == 1), in chunks of kChunk blocks (8 KiB for
-// blocks of 32, in L1): the block maxima, then all their factors in one vectorised loop,
-// then the elements. kBlock > 0 fixes the block size at compile time (16 and 32, the
-// formats' own), so the per-block loops unroll. A non-finite block's out1 is NaN, so its
-// elements come out NaN from the arithmetic itself.
-constexpr int64_t kChunk = 64;
+// --------------------------------------------------------------------------------------------
+// The Hadamard butterfly (lowbit.hadamard, method="butterfly"), on 8-float vectors (GCC/Clang
+// vector extensions: AVX2/AVX-512 on x86, NEON pairs elsewhere).
 
-template <Kind K, bool kSR, bool kGain, int kBlock>
-void QuantizeContiguous(const float* __restrict x, float* __restrict y, int64_t u0, int64_t u1,
-                        int64_t units_per_batch, const Config& c, const RandomStream* streams,
-                        const float* tensor_scales, const Grid& e4m3) {
-  const int block = kBlock > 0 ? kBlock : c.block;
-  uint32_t amax[kChunk];
-  FactorArrays fa(kChunk);
-  for (int64_t u = u0; u < u1;) {
-    const int64_t batch = u / units_per_batch;
-    const int64_t n = std::min({kChunk, u1 - u, (batch + 1) * units_per_batch - u});
-    const float* __restrict xc = x + u * block;
-    float* __restrict yc = y + u * block;
-    for (int64_t b = 0; b < n; ++b) amax[b] = AbsMaxBits(xc + b * block, block);
-    FactorsOf<K>(amax, n, c, tensor_scales[batch], e4m3, fa);
-    const RandomStream stream = streams[batch];
-    const uint32_t base = uint32_t((u - batch * units_per_batch) * block);
-    for (int64_t b = 0; b < n; ++b) {
-      const Factors f{fa.in1[b], fa.in2[b], fa.out1[b], fa.out2[b], true};
-      const float* __restrict xb = xc + b * block;
-      float* __restrict yb = yc + b * block;
-      const uint32_t bbase = base + uint32_t(b * block);
-      for (int r = 0; r < block; ++r) {
-        const uint32_t rbits = kSR ? stream(bbase + uint32_t(r)) : 0u;
-        yb[r] = Element<K, kSR, kGain>(xb[r], f, rbits, c);
+typedef float V8 __attribute__((vector_size(32)));
+typedef int32_t V8i __attribute__((vector_size(32)));
+
+inline V8 Load8(const float* p) {
+  V8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void Store8(float* p, V8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline V8 Splat8(float f) { return V8{f, f, f, f, f, f, f, f}; }
+
+// The butterfly stage h (4, 2 or 1) inside a vector: lane i and its partner i ^ h become
+// v[i] + v[i + h] (lower) and v[i - h] - v[i] (upper), computed as partner + v * (+-1):
+// addition commutes and a - b is a + (-b), exactly.
+template <int H>
+inline V8 LaneStage(V8 v) {
+#if defined(__clang__)
+  V8 s;
+  if constexpr (H == 4) {
+    s = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  } else if constexpr (H == 2) {
+    s = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  } else {
+    s = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  }
+#else
+  const V8i partner = {0 ^ H, 1 ^ H, 2 ^ H, 3 ^ H, 4 ^ H, 5 ^ H, 6 ^ H, 7 ^ H};
+  const V8 s = __builtin_shuffle(v, partner);
+#endif
+  const V8 sign = {(0 & H) ? -1.0f : 1.0f, (1 & H) ? -1.0f : 1.0f, (2 & H) ? -1.0f : 1.0f,
+                   (3 & H) ? -1.0f : 1.0f, (4 & H) ? -1.0f : 1.0f, (5 & H) ? -1.0f : 1.0f,
+                   (6 & H) ? -1.0f : 1.0f, (7 & H) ? -1.0f : 1.0f};
+  return s + v * sign;
+}
+
+// Butterfly stages h = N/2, ..., 1 over N values (floats, or vectors of independent lanes).
+template <int N, int H = N / 2, typename V>
+__attribute__((always_inline)) inline void Stages(V* v) {
+  if constexpr (H >= 1) {
+#pragma GCC unroll 128
+    for (int g = 0; g < N; g += 2 * H) {
+#pragma GCC unroll 128
+      for (int i = g; i < g + H; ++i) {
+        const V a = v[i], b = v[i + H];
+        v[i] = a + b;
+        v[i + H] = a - b;
       }
     }
-    u += n;
+    Stages<N, H / 2>(v);
   }
 }
 
-// Units of `block` rows of `inner` floats: `inner` blocks, one per column, processed a row
-// at a time across columns (vectorised over columns).
-template <Kind K, bool kSR, bool kGain>
-void QuantizeStrided(const float* __restrict x, float* __restrict y, int64_t u0, int64_t u1,
-                     int64_t units_per_batch, const Config& c, const RandomStream* streams,
-                     const float* tensor_scales, const Grid& e4m3) {
-  const int block = c.block;
-  const int64_t inner = c.inner;
-  const int64_t unit_size = block * inner;
-  std::vector<uint32_t> amax(inner);
-  FactorArrays fa(inner);
-  for (int64_t u = u0; u < u1; ++u) {
-    const int64_t batch = u / units_per_batch;
-    const float* __restrict xu = x + u * unit_size;
-    float* __restrict yu = y + u * unit_size;
-    uint32_t* __restrict m = amax.data();
-    for (int64_t i = 0; i < inner; ++i) m[i] = Bits(xu[i]) & kAbsMask;
-    for (int r = 1; r < block; ++r) {
-      const float* __restrict row = xu + r * inner;
-      for (int64_t i = 0; i < inner; ++i) m[i] = std::max(m[i], Bits(row[i]) & kAbsMask);
+// The transform of each block of B consecutive floats of x[0, n) into y (n a multiple of B).
+template <int B>
+void HadamardRow(const float* __restrict x, float* __restrict y, int64_t n,
+                 const float* signs, float scale) {
+  constexpr int N = B / 8;
+  V8 sv[N];
+  for (int k = 0; k < N; ++k) sv[k] = signs ? Load8(signs + 8 * k) : Splat8(1.0f);
+  const V8 sc = Splat8(scale);
+  for (int64_t o = 0; o < n; o += B) {
+    V8 v[N];
+    for (int k = 0; k < N; ++k) v[k] = Load8(x + o + 8 * k);
+    if (signs) {
+      for (int k = 0; k < N; ++k) v[k] = v[k] * sv[k];
     }
-    FactorsOf<K>(m, inner, c, tensor_scales[batch], e4m3, fa);
-    const uint32_t base = uint32_t((u - batch * units_per_batch) * unit_size);
-    const RandomStream stream = streams[batch];
-    const float* __restrict a1 = fa.in1.data();
-    const float* __restrict a2 = fa.in2.data();
-    const float* __restrict b1 = fa.out1.data();
-    const float* __restrict b2 = fa.out2.data();
-    for (int r = 0; r < block; ++r) {
-      const float* __restrict xr = xu + r * inner;
-      float* __restrict yr = yu + r * inner;
-      const uint32_t row_base = base + uint32_t(r * inner);
-      for (int64_t i = 0; i < inner; ++i) {
+    Stages<N>(v);  // h = B/2 .. 8: across vectors
+    for (int k = 0; k < N; ++k) {
+      const V8 w = LaneStage<1>(LaneStage<2>(LaneStage<4>(v[k])));
+      Store8(y + o + 8 * k, w * sc);
+    }
+  }
+}
+
+// The first two stages (h = B/2, B/4) of the transform down each column of B rows
+// (rows[r][0, n), times the signs when given) into buf (row r at buf + r * ld): rows are read
+// four at a time and in order, so the hardware prefetcher follows them.
+template <int B>
+void HadamardColumnsIn(const float* const* rows, float* __restrict buf, int64_t ld, int64_t n,
+                       const float* signs) {
+  constexpr int Q4 = B / 4;
+  for (int i = 0; i < Q4; ++i) {
+    const float* __restrict x0 = rows[i];
+    const float* __restrict x1 = rows[i + Q4];
+    const float* __restrict x2 = rows[i + 2 * Q4];
+    const float* __restrict x3 = rows[i + 3 * Q4];
+    float* __restrict y0 = buf + i * ld;
+    float* __restrict y1 = buf + (i + Q4) * ld;
+    float* __restrict y2 = buf + (i + 2 * Q4) * ld;
+    float* __restrict y3 = buf + (i + 3 * Q4) * ld;
+    auto pass = [&](float s0, float s1, float s2, float s3, auto with_signs) {
+      for (int64_t j = 0; j < n; ++j) {
+        float v0 = x0[j], v1 = x1[j], v2 = x2[j], v3 = x3[j];
+        if constexpr (decltype(with_signs)::value) {
+          v0 = v0 * s0;
+          v1 = v1 * s1;
+          v2 = v2 * s2;
+          v3 = v3 * s3;
+        }
+        const float t0 = v0 + v2, t2 = v0 - v2, t1 = v1 + v3, t3 = v1 - v3;  // h = B/2
+        y0[j] = t0 + t1;                                                      // h = B/4
+        y1[j] = t0 - t1;
+        y2[j] = t2 + t3;
+        y3[j] = t2 - t3;
+      }
+    };
+    if (signs) {
+      pass(signs[i], signs[i + Q4], signs[i + 2 * Q4], signs[i + 3 * Q4], std::true_type{});
+    } else {
+      pass(1.0f, 1.0f, 1.0f, 1.0f, std::false_type{});
+    }
+  }
+}
+
+// The remaining stages (h = N/2, ..., 1) down each column of N rows of buf, in place, then
+// the scale: 8 columns at a time in registers.
+template <int N>
+void HadamardColumnsOut(float* __restrict buf, int64_t ld, int64_t n, float scale) {
+  const V8 sc = Splat8(scale);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    V8 v[N];
+    for (int r = 0; r < N; ++r) v[r] = Load8(buf + r * ld + j);
+    Stages<N>(v);
+    for (int r = 0; r < N; ++r) Store8(buf + r * ld + j, v[r] * sc);
+  }
+  for (; j < n; ++j) {
+    float v[N];
+    for (int r = 0; r < N; ++r) v[r] = buf[r * ld + j];
+    Stages<N>(v);
+    for (int r = 0; r < N; ++r) buf[r * ld + j] = v[r] * scale;
+  }
+}
+
+// The transform down each column of B rows (rows[r][0, n)) into buf (row r at buf + r * ld).
+template <int B>
+void HadamardColumns(const float* const* rows, float* buf, int64_t ld, int64_t n,
+                     const float* signs, float scale) {
+  HadamardColumnsIn<B>(rows, buf, ld, n, signs);
+  for (int g = 0; g < 4; ++g) HadamardColumnsOut<B / 4>(buf + g * (B / 4) * ld, ld, n, scale);
+}
+
+// The Hadamard transform of one call: block size (0: none), signs of each batch element
+// (null: none), and float32(1 / sqrt(block)).
+struct Hadamard {
+  int block = 0;
+  const float* signs = nullptr;
+  float scale = 1.0f;
+
+  const float* SignsOf(int64_t batch) const { return signs ? signs + batch * block : nullptr; }
+
+  void Row(const float* x, float* y, int64_t n, const float* s) const {
+    switch (block) {
+      case 16: return HadamardRow<16>(x, y, n, s, scale);
+      case 32: return HadamardRow<32>(x, y, n, s, scale);
+      case 64: return HadamardRow<64>(x, y, n, s, scale);
+      case 128: return HadamardRow<128>(x, y, n, s, scale);
+      default: return HadamardRow<256>(x, y, n, s, scale);
+    }
+  }
+
+  void Columns(const float* const* rows, float* buf, int64_t ld, int64_t n,
+               const float* s) const {
+    switch (block) {
+      case 16: return HadamardColumns<16>(rows, buf, ld, n, s, scale);
+      case 32: return HadamardColumns<32>(rows, buf, ld, n, s, scale);
+      case 64: return HadamardColumns<64>(rows, buf, ld, n, s, scale);
+      case 128: return HadamardColumns<128>(rows, buf, ld, n, s, scale);
+      default: return HadamardColumns<256>(rows, buf, ld, n, s, scale);
+    }
+  }
+};
+
+// --------------------------------------------------------------------------------------------
+// Walking the array: items (a segment of a band), their rows, and per-worker scratch.
+
+// Floats per item: a rows segment (in L1, like 64 MX blocks of 32), and a strided band
+// segment (rows of `seg` columns: L1/L2), larger with a Hadamard block, whose band has
+// `hadamard` rows or more (longer row pieces keep the prefetcher streaming).
+constexpr int64_t kRowsChunk = 2048;
+constexpr int64_t kStridedChunk = 8192;
+constexpr int64_t kStridedHadamardChunk = 32768;
+
+struct Layout {
+  // Per batch element: x is [P, A, M, C, Q], tiles (block_a, block_c) over (A, C).
+  int64_t P, A, A_pad, M, C, C_pad, Q, block_a, block_c, hadamard;
+  // Derived.
+  bool strided = false;   // Q > 1
+  bool merged = false;    // rows walk over one row per batch element (1-D blocks, no padding)
+  int64_t per_batch = 0;  // P * A * M * C * Q
+  int64_t nab = 0;        // tile rows along A
+  int64_t group = 0;      // lcm(block_c, hadamard): C-extent aligned to both kinds of block
+  int64_t ncg = 0;        // strided: bands along C
+  int64_t row_len = 0;    // rows: floats per row
+  int64_t nbands = 0;     // per batch element
+  int64_t seg = 0;        // rows: floats per segment (a multiple of group); strided: columns
+  int64_t nseg = 0;       // segments per band
+  int64_t max_rows = 0;   // most rows an item has
+  int64_t max_tiles = 0;  // most tiles an item has
+  int64_t buf_size = 0;   // floats of transformed values an item needs
+  int64_t ld = 0;         // strided: floats between the rows of the buffer
+
+  int64_t Items() const { return nbands * nseg; }
+
+  void Derive() {
+    strided = Q > 1;
+    per_batch = P * A * M * C * Q;
+    nab = (A + block_a - 1) / block_a;
+    group = std::lcm(block_c, hadamard > 0 ? hadamard : int64_t{1});
+    if (!strided) {
+      merged = block_a == 1 && C == C_pad;
+      row_len = merged ? per_batch : C;
+      nbands = merged ? 1 : P * nab * M;
+      seg = std::max(group, kRowsChunk / block_a / group * group);
+      nseg = (row_len + seg - 1) / seg;
+      max_rows = block_a;
+      max_tiles = (seg + block_c - 1) / block_c;
+      buf_size = seg;
+    } else {
+      merged = false;
+      ncg = (C + group - 1) / group;
+      nbands = P * nab * M * ncg;
+      const int64_t chunk = hadamard > 0 ? kStridedHadamardChunk : kStridedChunk;
+      seg = std::min(Q, std::max<int64_t>(16, chunk / (block_a * group) / 16 * 16));
+      nseg = (Q + seg - 1) / seg;
+      max_rows = block_a * group;
+      max_tiles = seg;
+      ld = seg + 16;  // rows one cache line apart from a multiple of 4 KiB: no L1 set conflicts
+      buf_size = group * ld;
+    }
+  }
+};
+
+// What one worker reuses from item to item.
+struct Scratch {
+  std::vector<const float*> in;
+  std::vector<float*> out;
+  std::vector<uint32_t> index;
+  std::vector<float> buf;
+  std::vector<const float*> buf_rows;
+  std::vector<uint32_t> amax;
+  FactorArrays fa;
+
+  explicit Scratch(const Layout& L)
+      : in(L.max_rows), out(L.max_rows), index(L.max_rows), amax(L.max_tiles),
+        fa(L.max_tiles) {
+    if (L.hadamard > 0) {
+      buf.resize(L.buf_size);
+      for (int64_t r = 0; r < (L.strided ? L.group : 1); ++r) {
+        buf_rows.push_back(buf.data() + r * L.ld);
+      }
+    }
+  }
+};
+
+// One item's rows: `rows` pointers into x (in) and y (out), each with `n` floats, and the
+// stochastic-rounding index of each row's first element.
+struct ItemRows {
+  int64_t batch, rows, n;
+};
+
+ItemRows FillItem(const Layout& L, int64_t item, const float* x, float* y, Scratch& s) {
+  ItemRows it;
+  it.batch = item / L.Items();
+  item -= it.batch * L.Items();
+  x += it.batch * L.per_batch;
+  if (y) y += it.batch * L.per_batch;
+  const int64_t band = item / L.nseg, sg = item % L.nseg;
+  const int64_t o = sg * L.seg;
+  auto put = [&](int64_t r, int64_t offset, int64_t index) {
+    s.in[r] = x + offset;
+    s.out[r] = y ? y + offset : nullptr;
+    s.index[r] = uint32_t(index);
+  };
+  if (!L.strided) {
+    it.n = std::min(L.seg, L.row_len - o);
+    if (L.merged) {
+      it.rows = 1;
+      put(0, o, o);
+      return it;
+    }
+    const int64_t m = band % L.M, t = band / L.M, ab = t % L.nab, p = t / L.nab;
+    const int64_t a0 = ab * L.block_a;
+    it.rows = std::min(L.block_a, L.A - a0);
+    for (int64_t r = 0; r < it.rows; ++r) {
+      const int64_t a = a0 + r;
+      put(r, ((p * L.A + a) * L.M + m) * L.C + o, ((p * L.A_pad + a) * L.M + m) * L.C_pad + o);
+    }
+    return it;
+  }
+  it.n = std::min(L.seg, L.Q - o);
+  int64_t t = band;
+  const int64_t cg = t % L.ncg;
+  t /= L.ncg;
+  const int64_t m = t % L.M;
+  t /= L.M;
+  const int64_t ab = t % L.nab, p = t / L.nab;
+  const int64_t a0 = ab * L.block_a, c0 = cg * L.group;
+  const int64_t ra = std::min(L.block_a, L.A - a0), rc = std::min(L.group, L.C - c0);
+  it.rows = ra * rc;
+  for (int64_t r = 0; r < ra; ++r) {
+    const int64_t a = a0 + r;
+    for (int64_t j = 0; j < rc; ++j) {
+      const int64_t c = c0 + j;
+      put(r * rc + j, (((p * L.A + a) * L.M + m) * L.C + c) * L.Q + o,
+          (((p * L.A_pad + a) * L.M + m) * L.C_pad + c) * L.Q + o);
+    }
+  }
+  return it;
+}
+
+// Transforms an item's rows into s.buf (a Hadamard item: rows walk, one row of n floats;
+// strided, `rows` rows of n columns, row r at s.buf_rows[r]).
+void TransformItem(const Layout& L, const Hadamard& h, const ItemRows& it, Scratch& s) {
+  const float* signs = h.SignsOf(it.batch);
+  if (!L.strided) {
+    h.Row(s.in[0], s.buf.data(), it.n, signs);
+    return;
+  }
+  for (int64_t k = 0; k < it.rows; k += L.hadamard) {
+    h.Columns(s.in.data() + k, s.buf.data() + k * L.ld, L.ld, it.n, signs);
+  }
+}
+
+// --------------------------------------------------------------------------------------------
+// Quantizing tiles
+
+// The tiles of `rows` rows of n floats: each tile is `width` consecutive floats (the last
+// one possibly shorter) of every row, tile t spanning [t * width, (t + 1) * width). kW > 0
+// fixes the width at compile time: 1 (strided: one tile per column, vectorised over
+// columns), 16 and 32 (the formats' own, so the per-tile loops unroll). Maxima, then all
+// the tiles' factors in one vectorised loop, then the elements; a non-finite tile's out1 is
+// NaN, so its elements come out NaN from the arithmetic itself.
+template <Kind K, bool kSR, bool kGain, int kW>
+void QuantizeTiles(const float* const* in, float* const* out, const uint32_t* index,
+                   int64_t rows, int64_t n, int64_t width, const Config& c,
+                   const RandomStream& stream, float t, const Grid& e4m3, Scratch& s) {
+  const int64_t w = kW > 0 ? kW : width;
+  const int64_t full = n / w, rem = n - full * w, tiles = full + (rem > 0 ? 1 : 0);
+  uint32_t* __restrict m = s.amax.data();
+  if constexpr (kW == 1) {
+    const float* __restrict x0 = in[0];
+    for (int64_t i = 0; i < n; ++i) m[i] = Bits(x0[i]) & kAbsMask;
+    for (int64_t r = 1; r < rows; ++r) {
+      const float* __restrict xr = in[r];
+      for (int64_t i = 0; i < n; ++i) m[i] = std::max(m[i], Bits(xr[i]) & kAbsMask);
+    }
+  } else {
+    for (int64_t b = 0; b < full; ++b) m[b] = AbsMaxBits(in[0] + b * w, w);
+    if (rem > 0) m[full] = AbsMaxBits(in[0] + full * w, rem);
+    for (int64_t r = 1; r < rows; ++r) {
+      for (int64_t b = 0; b < full; ++b) m[b] = std::max(m[b], AbsMaxBits(in[r] + b * w, w));
+      if (rem > 0) m[full] = std::max(m[full], AbsMaxBits(in[r] + full * w, rem));
+    }
+  }
+  FactorsOf<K>(m, tiles, c, t, e4m3, s.fa);
+  const float* __restrict a1 = s.fa.in1.data();
+  const float* __restrict a2 = s.fa.in2.data();
+  const float* __restrict b1 = s.fa.out1.data();
+  const float* __restrict b2 = s.fa.out2.data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* __restrict xr = in[r];
+    float* __restrict yr = out[r];
+    const uint32_t base = index[r];
+    if constexpr (kW == 1) {
+      for (int64_t i = 0; i < n; ++i) {
         const Factors f{a1[i], a2[i], b1[i], b2[i], true};
-        const uint32_t rbits = kSR ? stream(row_base + uint32_t(i)) : 0u;
+        const uint32_t rbits = kSR ? stream(base + uint32_t(i)) : 0u;
         yr[i] = Element<K, kSR, kGain>(xr[i], f, rbits, c);
       }
+    } else {
+      for (int64_t b = 0; b < full; ++b) {
+        const Factors f{a1[b], a2[b], b1[b], b2[b], true};
+        const float* __restrict xb = xr + b * w;
+        float* __restrict yb = yr + b * w;
+        const uint32_t bbase = base + uint32_t(b * w);
+        for (int64_t j = 0; j < w; ++j) {
+          const uint32_t rbits = kSR ? stream(bbase + uint32_t(j)) : 0u;
+          yb[j] = Element<K, kSR, kGain>(xb[j], f, rbits, c);
+        }
+      }
+      if (rem > 0) {
+        const Factors f{a1[full], a2[full], b1[full], b2[full], true};
+        const float* __restrict xb = xr + full * w;
+        float* __restrict yb = yr + full * w;
+        const uint32_t bbase = base + uint32_t(full * w);
+        for (int64_t j = 0; j < rem; ++j) {
+          const uint32_t rbits = kSR ? stream(bbase + uint32_t(j)) : 0u;
+          yb[j] = Element<K, kSR, kGain>(xb[j], f, rbits, c);
+        }
+      }
     }
   }
+}
+
+// Items [i0, i1): transform (with a Hadamard block), then quantize into y.
+template <Kind K, bool kSR, bool kGain, int kW>
+void QuantizeItems(int64_t i0, int64_t i1, const Layout& L, const Hadamard& h, const float* x,
+                   float* y, const Config& c, const RandomStream* streams,
+                   const float* tensor_scales, const Grid& e4m3) {
+  Scratch s(L);
+  for (int64_t item = i0; item < i1; ++item) {
+    const ItemRows it = FillItem(L, item, x, y, s);
+    const RandomStream& stream = streams[it.batch];
+    const float t = tensor_scales[it.batch];
+    if (L.hadamard == 0) {
+      QuantizeTiles<K, kSR, kGain, kW>(s.in.data(), s.out.data(), s.index.data(), it.rows, it.n,
+                                       L.strided ? 1 : L.block_c, c, stream, t, e4m3, s);
+      continue;
+    }
+    TransformItem(L, h, it, s);
+    if (!L.strided) {
+      QuantizeTiles<K, kSR, kGain, kW>(s.buf_rows.data(), s.out.data(), s.index.data(), 1,
+                                       it.n, L.block_c, c, stream, t, e4m3, s);
+      continue;
+    }
+    for (int64_t k = 0; k < it.rows; k += L.block_c) {
+      QuantizeTiles<K, kSR, kGain, kW>(s.buf_rows.data() + k, s.out.data() + k,
+                                       s.index.data() + k, std::min(L.block_c, it.rows - k),
+                                       it.n, 1, c, stream, t, e4m3, s);
+    }
+  }
+}
+
+// Splits `items` items into one contiguous range per thread (one thread below 2**16
+// elements) and runs task(i0, i1) on each, with denormals flushed.
+template <typename F>
+void RunItems(ffi::ThreadPool& pool, int64_t items, int64_t elements, const F& task) {
+  const int64_t threads =
+      elements < (int64_t{1} << 16) ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const int64_t per = (items + threads - 1) / threads;
+  const int64_t tasks = (items + per - 1) / per;
+  auto range = [&](int64_t k) { task(k * per, std::min(items, (k + 1) * per), k); };
+  if (tasks == 1) {
+    FlushDenormals ftz;
+    range(0);
+  } else {
+    ParallelFor(pool, tasks, range);
+  }
+}
+
+int64_t TasksOf(ffi::ThreadPool& pool, int64_t items, int64_t elements) {
+  const int64_t threads =
+      elements < (int64_t{1} << 16) ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const int64_t per = (items + threads - 1) / threads;
+  return (items + per - 1) / per;
 }
 
 template <Kind K, bool kSR, bool kGain>
-void Dispatch(ffi::ThreadPool& pool, const float* x, float* y, int64_t units,
-              int64_t units_per_batch, const Config& c, const RandomStream* streams,
+void Dispatch(ffi::ThreadPool& pool, const Layout& L, const Hadamard& h, int64_t nbatch,
+              const float* x, float* y, const Config& c, const RandomStream* streams,
               const float* tensor_scales, const Grid& e4m3) {
-  const int64_t elements = units * c.block * c.inner;
-  const int64_t threads =
-      elements < (int64_t{1} << 16) ? 1 : std::max<int64_t>(1, pool.num_threads());
-  const int64_t per = (units + threads - 1) / threads;
-  const int64_t tasks = (units + per - 1) / per;
-  auto task = [&](int64_t t) {
-    const int64_t u0 = t * per, u1 = std::min(units, u0 + per);
-    if (c.inner > 1) {
-      QuantizeStrided<K, kSR, kGain>(x, y, u0, u1, units_per_batch, c, streams, tensor_scales,
-                                     e4m3);
-    } else if (c.block == 32) {
-      QuantizeContiguous<K, kSR, kGain, 32>(x, y, u0, u1, units_per_batch, c, streams,
-                                            tensor_scales, e4m3);
-    } else if (c.block == 16) {
-      QuantizeContiguous<K, kSR, kGain, 16>(x, y, u0, u1, units_per_batch, c, streams,
-                                            tensor_scales, e4m3);
-    } else {
-      QuantizeContiguous<K, kSR, kGain, 0>(x, y, u0, u1, units_per_batch, c, streams,
-                                           tensor_scales, e4m3);
-    }
+  auto run = [&](auto width) {
+    RunItems(pool, nbatch * L.Items(), nbatch * L.per_batch,
+             [&](int64_t i0, int64_t i1, int64_t) {
+               QuantizeItems<K, kSR, kGain, decltype(width)::value>(i0, i1, L, h, x, y, c,
+                                                                  streams, tensor_scales, e4m3);
+             });
   };
-  if (tasks == 1) {
-    FlushDenormals ftz;
-    task(0);
+  if (L.strided) {
+    run(std::integral_constant<int, 1>{});
+  } else if (L.block_c == 32) {
+    run(std::integral_constant<int, 32>{});
+  } else if (L.block_c == 16) {
+    run(std::integral_constant<int, 16>{});
   } else {
-    ParallelFor(pool, tasks, task);
+    run(std::integral_constant<int, 0>{});
   }
 }
 
-// The NVFP4 tensor amax of each batch element: the largest finite |x| (NaN and Inf ignored).
-void TensorAmax(ffi::ThreadPool& pool, const float* x, int64_t nbatch, int64_t per_batch,
-                std::vector<uint32_t>& out) {
-  const int64_t total = nbatch * per_batch;
-  const int64_t threads =
-      total < (int64_t{1} << 16) ? 1 : std::max<int64_t>(1, pool.num_threads());
-  const int64_t per = (total + threads - 1) / threads;
-  const int64_t tasks = (total + per - 1) / per;
+// The NVFP4 tensor amax of each batch element: the largest finite |x| (NaN and Inf ignored),
+// of the transformed values with a Hadamard block.
+std::vector<uint32_t> TensorAmax(ffi::ThreadPool& pool, const Layout& L, const Hadamard& h,
+                                 int64_t nbatch, const float* x) {
+  const int64_t items = nbatch * L.Items();
+  const int64_t tasks = TasksOf(pool, items, nbatch * L.per_batch);
   std::vector<std::vector<uint32_t>> partial(tasks, std::vector<uint32_t>(nbatch, 0u));
-  auto task = [&](int64_t t) {
-    const int64_t i0 = t * per, i1 = std::min(total, i0 + per);
-    for (int64_t i = i0; i < i1;) {
-      const int64_t b = i / per_batch;
-      const int64_t end = std::min(i1, (b + 1) * per_batch);
-      partial[t][b] = std::max(partial[t][b], FiniteAbsMaxBits(x + i, end - i));
-      i = end;
-    }
-  };
-  if (tasks == 1) {
-    task(0);
+  if (L.hadamard == 0) {
+    const int64_t total = nbatch * L.per_batch;
+    const int64_t per = (total + tasks - 1) / tasks;
+    RunItems(pool, tasks, total, [&](int64_t k0, int64_t k1, int64_t) {
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t i1 = std::min(total, (k + 1) * per);
+        for (int64_t i = k * per; i < i1;) {
+          const int64_t b = i / L.per_batch;
+          const int64_t end = std::min(i1, (b + 1) * L.per_batch);
+          partial[k][b] = std::max(partial[k][b], FiniteAbsMaxBits(x + i, end - i));
+          i = end;
+        }
+      }
+    });
   } else {
-    ParallelFor(pool, tasks, task);
+    RunItems(pool, items, nbatch * L.per_batch, [&](int64_t i0, int64_t i1, int64_t k) {
+      Scratch s(L);
+      for (int64_t item = i0; item < i1; ++item) {
+        const ItemRows it = FillItem(L, item, x, nullptr, s);
+        TransformItem(L, h, it, s);
+        uint32_t acc = 0;
+        for (int64_t r = 0; r < (L.strided ? it.rows : 1); ++r) {
+          acc = std::max(acc, FiniteAbsMaxBits(s.buf_rows[r], it.n));
+        }
+        partial[k][it.batch] = std::max(partial[k][it.batch], acc);
+      }
+    });
   }
-  out.assign(nbatch, 0u);
+  std::vector<uint32_t> out(nbatch, 0u);
   for (const auto& p : partial) {
     for (int64_t b = 0; b < nbatch; ++b) out[b] = std::max(out[b], p[b]);
   }
+  return out;
+}
+
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("lowbit_fake_quantize: " + what);
 }
 
 ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::F32> tensor_amax,
-                            ffi::ResultBuffer<ffi::F32> y, int32_t kind, int32_t scale_mode,
-                            int32_t mbits, int32_t emin, int32_t emax, float max, int32_t block,
-                            int64_t length, int64_t inner, float gain, int32_t stochastic,
-                            int32_t has_tensor_amax) {
+                            ffi::Buffer<ffi::F32> signs, ffi::ResultBuffer<ffi::F32> y,
+                            int32_t kind, int32_t scale_mode, int32_t mbits, int32_t emin,
+                            int32_t emax, float max, float gain, int32_t stochastic,
+                            int32_t has_tensor_amax, int64_t outer, int64_t a_len,
+                            int64_t a_pad, int64_t mid, int64_t c_len, int64_t c_pad,
+                            int64_t inner, int64_t block_a, int64_t block_c, int32_t hadamard,
+                            int32_t has_signs, float hadamard_scale) {
   const int64_t n = static_cast<int64_t>(x.element_count());
   const int64_t nbatch = static_cast<int64_t>(tensor_amax.element_count());
   if (kind < kMxFloat || kind > kNvfp4 || scale_mode < kFloor || scale_mode > kRceil) {
-    return ffi::Error::InvalidArgument("lowbit_fake_quantize: bad kind or scale_mode");
+    return Invalid("bad kind or scale_mode");
   }
-  if (block < 1 || length < 1 || inner < 1 || length % block != 0) {
-    return ffi::Error::InvalidArgument("lowbit_fake_quantize: the axis length (" +
-                                       std::to_string(length) +
-                                       ") must be a positive multiple of the block (" +
-                                       std::to_string(block) + ")");
+  Layout L{outer, a_len, a_pad, mid, c_len, c_pad, inner, block_a, block_c, hadamard};
+  if (std::min({outer, a_len, mid, c_len, inner, block_a, block_c}) < 1 ||
+      a_pad % block_a != 0 || a_pad < a_len || a_pad - a_len >= block_a ||
+      c_pad % block_c != 0 || c_pad < c_len || c_pad - c_len >= block_c) {
+    return Invalid("bad geometry: axis lengths (" + std::to_string(a_len) + ", " +
+                   std::to_string(c_len) + ") padded to (" + std::to_string(a_pad) + ", " +
+                   std::to_string(c_pad) + ") must be the next multiples of the block (" +
+                   std::to_string(block_a) + ", " + std::to_string(block_c) + ")");
   }
+  if (hadamard != 0) {
+    if (hadamard < 16 || hadamard > 256 || (hadamard & (hadamard - 1)) != 0) {
+      return Invalid("the Hadamard block (" + std::to_string(hadamard) +
+                     ") must be a power of two in 16..256");
+    }
+    if (block_a != 1 || c_len % hadamard != 0) {
+      return Invalid("a Hadamard transform needs 1-D blocks along an axis whose length (" +
+                     std::to_string(c_len) + ") is a multiple of its block (" +
+                     std::to_string(hadamard) + ")");
+    }
+  }
+  L.Derive();
+  const int64_t signs_per_batch = has_signs ? hadamard : 1;
   if (nbatch < 1 || static_cast<int64_t>(key.element_count()) != 2 * nbatch ||
-      n % (nbatch * length * inner) != 0) {
-    return ffi::Error::InvalidArgument(
-        "lowbit_fake_quantize: x, key and tensor_amax disagree on the batch size");
+      n != nbatch * L.per_batch ||
+      static_cast<int64_t>(signs.element_count()) != nbatch * signs_per_batch) {
+    return Invalid("x, key, tensor_amax and signs disagree on the batch size");
   }
   if (n == 0) return ffi::Error::Success();
   Config c{static_cast<Kind>(kind),
            static_cast<ScaleMode>(scale_mode),
            Grid(mbits, emin, emax, max),
-           block,
-           length,
-           inner,
            gain,
            gain != 1.0f,
            stochastic != 0,
@@ -522,9 +939,10 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const Grid e4m3(3, -6, 8, kE4M3Max);
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
-  const int64_t per_batch = n / nbatch;
-  const int64_t units = n / (int64_t{block} * inner);
-  const int64_t units_per_batch = per_batch / (int64_t{block} * inner);
+  Hadamard h;
+  h.block = hadamard;
+  h.signs = (hadamard != 0 && has_signs) ? signs.typed_data() : nullptr;
+  h.scale = hadamard_scale;
 
   std::vector<RandomStream> streams(nbatch);
   if (c.stochastic) {
@@ -532,9 +950,9 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   std::vector<float> tensor_scales(nbatch, 0.0f);
   if (c.kind == kNvfp4) {
-    FlushDenormals ftz;
     std::vector<uint32_t> tamax_bits;
-    if (!c.has_tensor_amax) TensorAmax(pool, xp, nbatch, per_batch, tamax_bits);
+    if (!c.has_tensor_amax) tamax_bits = TensorAmax(pool, L, h, nbatch, xp);
+    FlushDenormals ftz;
     for (int64_t b = 0; b < nbatch; ++b) {
       const float tamax = c.has_tensor_amax ? tensor_amax.typed_data()[b] : Float(tamax_bits[b]);
       tensor_scales[b] = tamax / kNvfp4TensorDivisor;
@@ -544,7 +962,7 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   // The runtime kind, rounding and gain pick one of the compiled instantiations.
   auto run = [&](auto kind, auto sr, auto gain) {
     Dispatch<decltype(kind)::value, decltype(sr)::value, decltype(gain)::value>(
-        pool, xp, yp, units, units_per_batch, c, streams.data(), tensor_scales.data(), e4m3);
+        pool, L, h, nbatch, xp, yp, c, streams.data(), tensor_scales.data(), e4m3);
   };
   auto with_gain = [&](auto kind, auto sr) {
     c.has_gain ? run(kind, sr, std::true_type{}) : run(kind, sr, std::false_type{});
@@ -573,6 +991,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitFakeQuantize, FakeQuantizeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::U32>>()  // key words, [nbatch, 2]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // tensor amax, [nbatch]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // signs, [nbatch, b or 1]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y
                                   .Attr<int32_t>("kind")
                                   .Attr<int32_t>("scale_mode")
@@ -580,9 +999,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitFakeQuantize, FakeQuantizeImpl,
                                   .Attr<int32_t>("emin")
                                   .Attr<int32_t>("emax")
                                   .Attr<float>("max")
-                                  .Attr<int32_t>("block")
-                                  .Attr<int64_t>("length")
-                                  .Attr<int64_t>("inner")
                                   .Attr<float>("gain")
                                   .Attr<int32_t>("stochastic")
-                                  .Attr<int32_t>("has_tensor_amax"));
+                                  .Attr<int32_t>("has_tensor_amax")
+                                  .Attr<int64_t>("outer")
+                                  .Attr<int64_t>("a_len")
+                                  .Attr<int64_t>("a_pad")
+                                  .Attr<int64_t>("mid")
+                                  .Attr<int64_t>("c_len")
+                                  .Attr<int64_t>("c_pad")
+                                  .Attr<int64_t>("inner")
+                                  .Attr<int64_t>("block_a")
+                                  .Attr<int64_t>("block_c")
+                                  .Attr<int32_t>("hadamard")
+                                  .Attr<int32_t>("has_signs")
+                                  .Attr<float>("hadamard_scale"));
