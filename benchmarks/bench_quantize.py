@@ -26,6 +26,15 @@ reported in the table: MXFP4 and MXFP8 (both element types) nearest <= 1.3x the 
 and every stochastic row <= 1.6x; and faster than qwix on each format qwix has. Formats without a
 stated bound (MXFP6, MXINT8 nearest) show ``-``.
 
+Fused rows (``--no-fused`` skips them): what a recipe's operand quantizer costs with a
+randomised Hadamard transform in front (``qarray.fake_quantize_with_plan(..., hadamard=b,
+signs=s)``), for b = 16, 32, 64 along the last axis and along axis 0, MXFP4 with stochastic
+rounding and gain 3/4 (the backward recipes) and NVFP4 (its own tensor amax: of the transformed
+tensor); and 2-D tiles (16 x 16 over the last two axes: NVFP4 and MXFP8 weights). Each row
+gives the path a user gets (the compiled kernel fuses the transform), the XLA path side by side
+(its default dense transform, then the quantizer), and the plain kernel's quantization without
+the transform, all in multiples of the same baseline, measured in the same interleaved rounds.
+
 Results go to ``--out`` (default ``benchmarks/results/bench_quantize.json``).
 """
 
@@ -42,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 import lowbit as lb
+from lowbit import qarray
 
 try:  # imported as benchmarks.bench_quantize (tests, python -m)
     from benchmarks import common
@@ -56,6 +66,13 @@ QUICK_RUNS = 2
 
 # Format -> the qtype qwix calls it (qwix's "mxfp8" has E4M3 elements).
 QWIX_QTYPES = {"mxfp4": "mxfp4", "mxfp8_e4m3": "mxfp8", "nvfp4": "nvfp4"}
+
+# Fused rows: (format, rounding, gain) with a Hadamard transform, its blocks and axes; tiles.
+FUSED_QUANTIZERS = (("mxfp4", "stochastic", 0.75), ("nvfp4", "nearest", 1.0))
+FUSED_HADAMARD = (16, 32, 64)
+FUSED_AXES = (-1, 0)
+QUICK_HADAMARD = (16,)
+TILES = (("nvfp4", (16, 16)), ("mxfp8_e4m3", (16, 16)))
 
 
 def bound(fmt: str, rounding: str) -> float | None:
@@ -88,6 +105,97 @@ def _lowbit_fn(
             return lambda: compiled(x, key)
         compiled = jax.jit(lambda x: lb.fake_quantize(x, fmt)).lower(x).compile()
         return lambda: compiled(x)
+
+
+def _operand_fn(
+    fmt: str,
+    rounding: str,
+    x: jax.Array,
+    key: jax.Array,
+    *,
+    axis: int | tuple[int, int] = -1,
+    gain: float = 1.0,
+    hadamard: int | None = None,
+    block_shape: tuple[int, ...] | None = None,
+    native: str | None = None,
+) -> Callable[[], jax.Array]:
+    """A compiled operand quantizer (``qarray.fake_quantize_with_plan``), with a Hadamard
+    transform of block ``hadamard`` (random signs, an argument) in front when not None."""
+    kd = jax.random.key_data(key) if rounding == "stochastic" else None
+    plan = qarray.make_plan(x.shape, fmt, axis, block_shape, None, rounding, kd, None, gain=gain)
+    signs = None if hadamard is None else lb.hadamard.random_signs(jax.random.key(2), hadamard)
+
+    def fq(x, signs):
+        return qarray.fake_quantize_with_plan(x, kd, None, plan, hadamard=hadamard,
+                                              signs=signs)[0]
+
+    with lb.native.mode(native) if native else contextlib.nullcontext():
+        compiled = jax.jit(fq).lower(x, signs).compile()
+    return lambda: compiled(x, signs)
+
+
+def _fused_candidates(
+    x: jax.Array, key: jax.Array, quick: bool, native: bool
+) -> tuple[dict[str, Callable[[], Any]], list[dict[str, Any]]]:
+    """The fused rows' candidates and, per row, the names of its three timings."""
+    candidates: dict[str, Callable[[], Any]] = {}
+    specs: list[dict[str, Any]] = []
+
+    def add(name: str, **kw: Any) -> str:
+        if name not in candidates:
+            candidates[name] = _operand_fn(x=x, key=key, **kw)
+        return name
+
+    for fmt, rounding, gain in FUSED_QUANTIZERS:
+        for axis in FUSED_AXES:
+            q = {"fmt": fmt, "rounding": rounding, "gain": gain, "axis": axis}
+            plain = add(f"plain/{fmt}/{axis}", **q)
+            for b in QUICK_HADAMARD if quick else FUSED_HADAMARD:
+                if x.shape[axis] % b:
+                    continue
+                fused = add(f"fused/{fmt}/{axis}/h{b}", hadamard=b, **q)
+                xla = add(f"fused-xla/{fmt}/{axis}/h{b}", hadamard=b, native="off", **q)
+                specs.append({"kind": "hadamard", "hadamard": b, "block_shape": None, **q,
+                              "names": (fused, xla, plain)})
+    for fmt, tile in TILES[:1] if quick else TILES:
+        q = {"fmt": fmt, "rounding": "nearest", "gain": 1.0, "axis": (-2, -1)}
+        if any(d < t for d, t in zip(x.shape, tile, strict=True)):
+            continue
+        kernel = add(f"tile/{fmt}", block_shape=tile, **q)
+        xla = add(f"tile-xla/{fmt}", block_shape=tile, native="off", **q)
+        specs.append({"kind": "tiles", "hadamard": None, "block_shape": tile, **q,
+                      "names": (kernel, xla, None)})
+    return candidates, specs
+
+
+def _fused_rows(specs, timings, t_base: common.Timing, native: bool) -> list[dict[str, Any]]:
+    rows = []
+    for spec in specs:
+        fused, xla, plain = (timings.get(n) if n else None for n in spec["names"])
+        ratio = fused.median_s / t_base.median_s
+        axis = spec["axis"]
+        rows.append(
+            {
+                "kind": spec["kind"],
+                "format": spec["fmt"],
+                "rounding": spec["rounding"],
+                "gain": spec["gain"],
+                "axis": list(axis) if isinstance(axis, tuple) else axis,
+                "hadamard": spec["hadamard"],
+                "block_shape": None if spec["block_shape"] is None else list(spec["block_shape"]),
+                "path": "native" if native else "xla",
+                "ms": fused.median_ms,
+                "x_baseline": ratio,
+                "x_baseline_min": min(fused.samples_s) / min(t_base.samples_s),
+                "xla_x_baseline": xla.median_s / t_base.median_s,
+                "xla_over_path": xla.median_s / fused.median_s,
+                "plain_x_baseline": None if plain is None else plain.median_s / t_base.median_s,
+                "spread": fused.spread,
+                "samples_ms": [1e3 * s for s in fused.samples_s],
+                "xla_samples_ms": [1e3 * s for s in xla.samples_s],
+            }
+        )
+    return rows
 
 
 def _qwix_fn(qwix: Any, qtype: str, block: int) -> Callable[[jax.Array], jax.Array]:
@@ -137,6 +245,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="do not also time the XLA emulation when the native CPU kernel is active",
     )
+    p.add_argument(
+        "--no-fused",
+        action="store_true",
+        help="skip the fused rows (Hadamard transform + quantization, 2-D tiles)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     args = p.parse_args(argv)
     args.size = args.size or (QUICK_SIZE if args.quick else 4096)
@@ -176,6 +289,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 candidates[f"lowbit-xla/{fmt}/{rounding}"] = _lowbit_fn(
                     fmt, rounding, x, key, native="off"
                 )
+
+    fused_specs: list[dict[str, Any]] = []
+    if not args.no_fused:
+        fused, fused_specs = _fused_candidates(x, key, args.quick, native)
+        candidates.update(fused)
 
     # qwix: optional; a missing package, format or a failure becomes a status, not a crash.
     qwix, qwix_missing = (None, "disabled (--no-qwix)") if args.no_qwix else load_qwix()
@@ -255,7 +373,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 }
             )
 
+    fused_rows = _fused_rows(fused_specs, timings, t_base, native)
+
     _print_table(rows, t_base, args)
+    if fused_rows:
+        _print_fused_table(fused_rows, args)
     checked = [r["pass"] for r in rows if r["pass"] is not None]
     payload = {
         "benchmark": "bench_quantize",
@@ -282,6 +404,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "status": qwix_status,
         },
         "rows": rows,
+        "fused_rows": fused_rows,
         "all_pass": all(checked) if checked else None,
     }
     path = common.write_json(args.out, payload)
@@ -321,6 +444,43 @@ def _print_table(rows: list[dict[str, Any]], t_base: common.Timing, args) -> Non
         f"fake_quantize, {args.size}x{args.size} float32, axis -1: median of {args.runs} "
         f"interleaved rounds; baseline x * 2 + 1 = {t_base.median_ms:.2f} ms"
         + ("" if t_base.spread is None else f" (iqr {100 * t_base.spread:.0f}%)")
+    )
+    print(common.format_table(shown, columns))
+
+
+def _print_fused_table(rows: list[dict[str, Any]], args) -> None:
+    shown = []
+    for r in rows:
+        what = f"hadamard {r['hadamard']}" if r["kind"] == "hadamard" else "tile {}x{}".format(
+            *r["block_shape"]
+        )
+        axis = r["axis"]
+        shown.append(
+            {
+                **r,
+                "what": what,
+                "axis": axis if isinstance(axis, int) else ",".join(map(str, axis)),
+                "spread": None if r["spread"] is None else 100 * r["spread"],
+            }
+        )
+    columns = [
+        ("what", "fused"),
+        ("format", "format"),
+        ("rounding", "rounding"),
+        ("gain", "gain"),
+        ("axis", "axis"),
+        ("ms", "ms"),
+        ("spread", "iqr", "{:.0f}%"),
+        ("x_baseline", "x baseline", "{:.2f}x"),
+        ("x_baseline_min", "(of mins)", "{:.2f}x"),
+        ("path", "path"),
+        ("xla_x_baseline", "xla path", "{:.2f}x"),
+        ("xla_over_path", "xla/path", "{:.2f}x"),
+        ("plain_x_baseline", "no transform", "{:.2f}x"),
+    ]
+    print(
+        f"\nfused operand quantizers, {args.size}x{args.size} float32, in multiples of the same "
+        "baseline (xla path: dense hadamard_transform, then the XLA quantizer)"
     )
     print(common.format_table(shown, columns))
 

@@ -50,6 +50,22 @@ def test_bench_quantize_quick_writes_one_row_per_format_and_rounding(tmp_path, c
     assert rows[("mxint8", "nearest")]["qwix_ms"] is None
     assert payload["rows"][0]["format"] == written["rows"][0]["format"]
 
+    # Fused rows: a Hadamard transform of each quick block size along both axes per quantizer,
+    # and one 2-D tile, each with the XLA path side by side.
+    fused = written["fused_rows"]
+    hadamard = {(r["format"], r["axis"], r["hadamard"]) for r in fused if r["kind"] == "hadamard"}
+    assert hadamard == {
+        (fmt, axis, b)
+        for fmt, _, _ in bench_quantize.FUSED_QUANTIZERS
+        for axis in bench_quantize.FUSED_AXES
+        for b in bench_quantize.QUICK_HADAMARD
+    }
+    assert [r["format"] for r in fused if r["kind"] == "tiles"] == [bench_quantize.TILES[0][0]]
+    for row in fused:
+        assert row["ms"] > 0 and row["x_baseline"] > 0 and row["xla_x_baseline"] > 0
+        assert len(row["samples_ms"]) == len(row["xla_samples_ms"]) == bench_quantize.QUICK_RUNS
+        assert (row["plain_x_baseline"] is None) == (row["kind"] == "tiles")
+
     table = capsys.readouterr().out
     for fmt in lb.formats.names():
         assert fmt in table
@@ -58,8 +74,11 @@ def test_bench_quantize_quick_writes_one_row_per_format_and_rounding(tmp_path, c
 def test_bench_quantize_runs_without_qwix(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "qwix", None)  # `import qwix` now raises ImportError
     out = tmp_path / "no_qwix.json"
-    bench_quantize.main(["--quick", "--size", "32", "--formats", "mxfp8,nvfp4", "--out", str(out)])
+    bench_quantize.main(
+        ["--quick", "--size", "32", "--formats", "mxfp8,nvfp4", "--no-fused", "--out", str(out)]
+    )
     written = json.loads(out.read_text())
+    assert written["fused_rows"] == []
     assert written["qwix"]["available"] is False
     rows = _rows(written)
     assert set(rows) == {(f, r) for f in ("mxfp8_e4m3", "nvfp4") for r in bench_quantize.ROUNDINGS}
