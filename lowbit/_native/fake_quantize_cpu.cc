@@ -795,14 +795,21 @@ void QuantizeItems(int64_t i0, int64_t i1, const Layout& L, const Hadamard& h, c
   }
 }
 
-// Splits `items` items into one contiguous range per thread (one thread below 2**16
-// elements) and runs task(i0, i1) on each, with denormals flushed.
-template <typename F>
-void RunItems(ffi::ThreadPool& pool, int64_t items, int64_t elements, const F& task) {
+// The number of contiguous ranges `items` work items are split into: one per thread, one
+// below 2**16 elements.
+int64_t TasksOf(ffi::ThreadPool& pool, int64_t items, int64_t elements) {
   const int64_t threads =
       elements < (int64_t{1} << 16) ? 1 : std::max<int64_t>(1, pool.num_threads());
   const int64_t per = (items + threads - 1) / threads;
-  const int64_t tasks = (items + per - 1) / per;
+  return (items + per - 1) / per;
+}
+
+// Runs task(i0, i1, k) on the k-th of those ranges, on the caller and the pool, with
+// denormals flushed.
+template <typename F>
+void RunItems(ffi::ThreadPool& pool, int64_t items, int64_t elements, const F& task) {
+  const int64_t tasks = TasksOf(pool, items, elements);
+  const int64_t per = (items + tasks - 1) / tasks;
   auto range = [&](int64_t k) { task(k * per, std::min(items, (k + 1) * per), k); };
   if (tasks == 1) {
     FlushDenormals ftz;
@@ -810,13 +817,6 @@ void RunItems(ffi::ThreadPool& pool, int64_t items, int64_t elements, const F& t
   } else {
     ParallelFor(pool, tasks, range);
   }
-}
-
-int64_t TasksOf(ffi::ThreadPool& pool, int64_t items, int64_t elements) {
-  const int64_t threads =
-      elements < (int64_t{1} << 16) ? 1 : std::max<int64_t>(1, pool.num_threads());
-  const int64_t per = (items + threads - 1) / threads;
-  return (items + per - 1) / per;
 }
 
 template <Kind K, bool kSR, bool kGain>
@@ -845,37 +845,32 @@ void Dispatch(ffi::ThreadPool& pool, const Layout& L, const Hadamard& h, int64_t
 // of the transformed values with a Hadamard block.
 std::vector<uint32_t> TensorAmax(ffi::ThreadPool& pool, const Layout& L, const Hadamard& h,
                                  int64_t nbatch, const float* x) {
-  const int64_t items = nbatch * L.Items();
-  const int64_t tasks = TasksOf(pool, items, nbatch * L.per_batch);
-  std::vector<std::vector<uint32_t>> partial(tasks, std::vector<uint32_t>(nbatch, 0u));
-  if (L.hadamard == 0) {
-    const int64_t total = nbatch * L.per_batch;
-    const int64_t per = (total + tasks - 1) / tasks;
-    RunItems(pool, tasks, total, [&](int64_t k0, int64_t k1, int64_t) {
-      for (int64_t k = k0; k < k1; ++k) {
-        const int64_t i1 = std::min(total, (k + 1) * per);
-        for (int64_t i = k * per; i < i1;) {
-          const int64_t b = i / L.per_batch;
-          const int64_t end = std::min(i1, (b + 1) * L.per_batch);
-          partial[k][b] = std::max(partial[k][b], FiniteAbsMaxBits(x + i, end - i));
-          i = end;
-        }
+  // Work units: elements of x, or items (each transformed first) with a Hadamard block.
+  const int64_t elements = nbatch * L.per_batch;
+  const int64_t units = L.hadamard == 0 ? elements : nbatch * L.Items();
+  std::vector<std::vector<uint32_t>> partial(TasksOf(pool, units, elements),
+                                             std::vector<uint32_t>(nbatch, 0u));
+  RunItems(pool, units, elements, [&](int64_t u0, int64_t u1, int64_t k) {
+    if (L.hadamard == 0) {
+      for (int64_t i = u0; i < u1;) {
+        const int64_t b = i / L.per_batch;
+        const int64_t end = std::min(u1, (b + 1) * L.per_batch);
+        partial[k][b] = std::max(partial[k][b], FiniteAbsMaxBits(x + i, end - i));
+        i = end;
       }
-    });
-  } else {
-    RunItems(pool, items, nbatch * L.per_batch, [&](int64_t i0, int64_t i1, int64_t k) {
-      Scratch s(L);
-      for (int64_t item = i0; item < i1; ++item) {
-        const ItemRows it = FillItem(L, item, x, nullptr, s);
-        TransformItem(L, h, it, s);
-        uint32_t acc = 0;
-        for (int64_t r = 0; r < (L.strided ? it.rows : 1); ++r) {
-          acc = std::max(acc, FiniteAbsMaxBits(s.buf_rows[r], it.n));
-        }
-        partial[k][it.batch] = std::max(partial[k][it.batch], acc);
+      return;
+    }
+    Scratch s(L);
+    for (int64_t item = u0; item < u1; ++item) {
+      const ItemRows it = FillItem(L, item, x, nullptr, s);
+      TransformItem(L, h, it, s);
+      uint32_t acc = 0;
+      for (int64_t r = 0; r < (L.strided ? it.rows : 1); ++r) {
+        acc = std::max(acc, FiniteAbsMaxBits(s.buf_rows[r], it.n));
       }
-    });
-  }
+      partial[k][it.batch] = std::max(partial[k][it.batch], acc);
+    }
+  });
   std::vector<uint32_t> out(nbatch, 0u);
   for (const auto& p : partial) {
     for (int64_t b = 0; b < nbatch; ++b) out[b] = std::max(out[b], p[b]);
