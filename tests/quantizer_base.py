@@ -320,6 +320,7 @@ NVFP4_SCALE_TIES = [
 # rewrote (amax / 6) / t into amax / (6 * t) (s_raw 184.0 instead of 183.99998, an E4M3 tie:
 # s = 192 instead of 176) and 1 / (tamax / 2688) into 2688 / tamax (r 1 ulp high, x * r =
 # 3.5000002 instead of 3.4999998: E2M1 4 instead of 3). Found by the native kernel's check.
+# fmt: off
 NVFP4_TRAINING_BLOCKS = [
     ([-0.07977195829153061, -0.0928848460316658, -0.049612291157245636, 0.07748080790042877,
       0.021946197375655174, 0.07781267911195755, 0.22371549904346466, 0.08873916417360306,
@@ -332,6 +333,7 @@ NVFP4_TRAINING_BLOCKS = [
       0.5682953596115112, -1.3385666608810425, 0.7545039057731628, -0.13124613463878632],
      3.5695111751556396),
 ]
+# fmt: on
 
 
 def nvfp4_training_rows() -> np.ndarray:
@@ -414,11 +416,17 @@ def pairwise(fmts, modes, cases):
     case): the two larger factors as a product, the third chosen by (i + j) modulo its length
     (which covers its pairs when the product's factors are at least as long)."""
     if len(cases) >= len(modes):
-        rows = [(f, modes[(i + j) % len(modes)], c)
-                for i, f in enumerate(fmts) for j, c in enumerate(cases)]
+        rows = [
+            (f, modes[(i + j) % len(modes)], c)
+            for i, f in enumerate(fmts)
+            for j, c in enumerate(cases)
+        ]
     else:
-        rows = [(f, m, cases[(i + j) % len(cases)])
-                for i, f in enumerate(fmts) for j, m in enumerate(modes)]
+        rows = [
+            (f, m, cases[(i + j) % len(cases)])
+            for i, f in enumerate(fmts)
+            for j, m in enumerate(modes)
+        ]
     for a, b in itertools.combinations(range(3), 2):
         want = {(u, v) for u in ([fmts, modes, cases][a]) for v in ([fmts, modes, cases][b])}
         assert {(r[a], r[b]) for r in rows} == want, "pairwise rows miss a pair"
@@ -534,14 +542,25 @@ class QuantizerSpec:
         self.check_program(str(traced.jaxpr), lowered.as_text())
         return lowered.compile()
 
-    def run(self, x, fmt, mode=None, axis=-1, block_shape=None, tensor_amax=None,
-            rounding="nearest", key=None, dtype=jnp.float32) -> Outputs:
+    def run(
+        self,
+        x,
+        fmt,
+        mode=None,
+        axis=-1,
+        block_shape=None,
+        tensor_amax=None,
+        rounding="nearest",
+        key=None,
+        dtype=jnp.float32,
+    ) -> Outputs:
         x = jnp.asarray(x, dtype)
         shape = tuple(x.shape)
         if isinstance(axis, list):
             axis = tuple(axis)
-        fn = type(self).program(fmt, mode, axis, block_shape, shape, jnp.dtype(dtype), rounding,
-                                tensor_amax is not None)
+        fn = type(self).program(
+            fmt, mode, axis, block_shape, shape, jnp.dtype(dtype), rounding, tensor_amax is not None
+        )
         t = None if tensor_amax is None else jnp.float32(tensor_amax)
         k = None if rounding == "nearest" else (KEY if key is None else key)
         return Outputs(*fn(x, k, t))
@@ -620,7 +639,10 @@ class QuantizerSpec:
             reason = f"{self.name}: {params or 'no case it serves'}"
             n = len(argnames.split(","))
             values = (None,) * n
-            params = [pytest.param(*values, marks=pytest.mark.skip(reason=reason), id="n/a")]
+            marks = [pytest.mark.skip(reason=reason)]
+            if metafunc.function.__name__.endswith("_full"):  # as its cases would be
+                marks.append(pytest.mark.slow)
+            params = [pytest.param(*values, marks=marks, id="n/a")]
         metafunc.parametrize(argnames, params)
 
     def mx_formats(self):
@@ -666,9 +688,11 @@ class QuantizerSpec:
     def custom_block_params(self):
         if isinstance(self.custom_blocks, Unsupported):
             return self.custom_blocks
-        return [_p(fmt, c, id=f"{fmt}-{CUSTOM_BLOCK_IDS[c]}")
-                for c, fmt in enumerate(CUSTOM_BLOCK_FORMATS)
-                if self.takes(*CUSTOM_BLOCK_CASES[c][:2]) and fmt in self.formats]
+        return [
+            _p(fmt, c, id=f"{fmt}-{CUSTOM_BLOCK_IDS[c]}")
+            for c, fmt in enumerate(CUSTOM_BLOCK_FORMATS)
+            if self.takes(*CUSTOM_BLOCK_CASES[c][:2]) and fmt in self.formats
+        ]
 
     def near_max_params(self):
         """Each MX format in floor mode (the largest exponent it reaches, 127 - emax), INT8 in
@@ -682,15 +706,18 @@ class QuantizerSpec:
         if isinstance(self.stochastic_vs_xla, Unsupported):
             return self.stochastic_vs_xla
         taken = self.axis_cases()
-        return [_p(fmt, taken[i % len(taken)], id=f"{fmt}-{AXIS_IDS[taken[i % len(taken)]]}")
-                for i, fmt in enumerate(self.any_formats())]
+        return [
+            _p(fmt, taken[i % len(taken)], id=f"{fmt}-{AXIS_IDS[taken[i % len(taken)]]}")
+            for i, fmt in enumerate(self.any_formats())
+        ]
 
     # ========================================================================================
     # Ties and saturation, with the block scale pinned (one (24, 32) program per MX format,
     # default scale mode: floor; (24, 16) for NVFP4)
 
-    @cases("fmt,k", lambda s: [_p(f, k, id=f"{f}-2**{k}") for f in s.mx_formats()
-                               for k in (0, -7, 9)])
+    @cases(
+        "fmt,k", lambda s: [_p(f, k, id=f"{f}-2**{k}") for f in s.mx_formats() for k in (0, -7, 9)]
+    )
     def test_mx_hand_derived_ties(self, fmt, k):
         name = ref.MX_ELEM[fmt]
         emax = ref.ELEMS[name].emax
@@ -725,8 +752,9 @@ class QuantizerSpec:
             assert np.all(out.scales[np.any(x != 0, axis=1)] == 127)
         self.check_values(out, expected, x, f"{fmt} every tie")
 
-    @cases("fmt,k", lambda s: [_p(f, k, id=f"{f}-2**{k}") for f in s.mx_formats()
-                               for k in (0, -7, 9)])
+    @cases(
+        "fmt,k", lambda s: [_p(f, k, id=f"{f}-2**{k}") for f in s.mx_formats() for k in (0, -7, 9)]
+    )
     def test_mx_saturates_to_max(self, fmt, k):
         name = ref.MX_ELEM[fmt]
         elem = ref.ELEMS[name]
@@ -869,9 +897,14 @@ class QuantizerSpec:
     def test_nvfp4_random_inputs_match_reference_full(self, a, amax_id):
         self._check_nvfp4_case(a, amax_id)
 
-    @cases("fmt,a", lambda s: [_p(f, a, id=f"{f}-{AXIS_IDS[a]}")
-                               for f, a in [("mxfp4", 0), ("mxfp8_e5m2", 2), ("mxint8", 1)]
-                               if f in s.formats and s.takes(*AXIS_CASES[a])])
+    @cases(
+        "fmt,a",
+        lambda s: [
+            _p(f, a, id=f"{f}-{AXIS_IDS[a]}")
+            for f, a in [("mxfp4", 0), ("mxfp8_e5m2", 2), ("mxint8", 1)]
+            if f in s.formats and s.takes(*AXIS_CASES[a])
+        ],
+    )
     def test_mx_bfloat16_input(self, fmt, a):
         """bfloat16 x (MX values have at most 8 significant bits and float32's exponent
         range: exact in bfloat16): the reference's values, in x's dtype."""
@@ -879,14 +912,18 @@ class QuantizerSpec:
         x = np.asarray(jnp.asarray(case_inputs(a, 32), jnp.bfloat16).astype(jnp.float32))
         expected = reference(x, fmt, None, axis)
         assert_normal_or_zero(expected.values)
-        assert_bits_equal(np.asarray(jnp.asarray(expected.values, jnp.bfloat16), np.float32),
-                          expected.values, "precondition: exact in bfloat16")
+        assert_bits_equal(
+            np.asarray(jnp.asarray(expected.values, jnp.bfloat16), np.float32),
+            expected.values,
+            "precondition: exact in bfloat16",
+        )
         out = self.run(x, fmt, None, axis, dtype=jnp.bfloat16)
         for name, y in out.values:
             assert y.dtype == jnp.bfloat16, f"{name}: {y.dtype}"
-        as_f32 = Outputs(out.qarray,
-                         *(None if v is None else v.astype(np.float32)
-                           for v in (out.dequantized, out.fake)))
+        as_f32 = Outputs(
+            out.qarray,
+            *(None if v is None else v.astype(np.float32) for v in (out.dequantized, out.fake)),
+        )
         self.check(as_f32, expected, x, f"{fmt} bfloat16 {AXIS_IDS[a]}", fmt)
 
     # ========================================================================================
@@ -986,8 +1023,7 @@ class QuantizerSpec:
         # their own amax (about 3), these blocks would come out differently
         other = reference(x[1:], "nvfp4")
         assert not np.array_equal(expected.values[1:], other.values)
-        self.check(self.run(x, "nvfp4"), expected, x, "nvfp4 NaN block holding the amax",
-                   "nvfp4")
+        self.check(self.run(x, "nvfp4"), expected, x, "nvfp4 NaN block holding the amax", "nvfp4")
 
     @cases("fmt", lambda s: s.any_formats())
     def test_tensor_of_values_near_1e_minus_30(self, fmt):
@@ -1112,8 +1148,14 @@ class QuantizerSpec:
     # Size-dependent paths; stochastic rounding (no reference: bit-identical to lowbit's XLA
     # path, which tests/test_properties.py checks statistically)
 
-    @cases("fmt", lambda s: s.large_shape if isinstance(s.large_shape, Unsupported)
-           else s.any_formats(["mxfp8_e4m3", "nvfp4"]))
+    @cases(
+        "fmt",
+        lambda s: (
+            s.large_shape
+            if isinstance(s.large_shape, Unsupported)
+            else s.any_formats(["mxfp8_e4m3", "nvfp4"])
+        ),
+    )
     def test_a_large_tensor_matches_reference(self, fmt):
         shape = self.large_shape
         for axis in (0, 1):

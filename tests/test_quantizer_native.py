@@ -37,8 +37,16 @@ class TestNativeQuantizer(QuantizerSpec):
 
     def fake_quantize_fn(self, fmt, scale_mode, axis, block_shape, rounding):
         def fq(x, key, tensor_amax):
-            return lb.fake_quantize(x, fmt, axis, scale_mode=scale_mode, block_shape=block_shape,
-                                    rounding=rounding, key=key, tensor_amax=tensor_amax)
+            return lb.fake_quantize(
+                x,
+                fmt,
+                axis,
+                scale_mode=scale_mode,
+                block_shape=block_shape,
+                rounding=rounding,
+                key=key,
+                tensor_amax=tensor_amax,
+            )
 
         return fq
 

@@ -39,9 +39,18 @@ class TestPallasInterpretQuantizer(QuantizerSpec):
 
         def q(x, key, tensor_amax):
             key = None if key is None else jax.random.wrap_key_data(key)
-            return quantize(x, fmt, axis, scale_mode=scale_mode, rounding=rounding, key=key,
-                            tensor_amax=tensor_amax, implementation="pallas", interpret=True,
-                            config=self.config(fmt, axis))
+            return quantize(
+                x,
+                fmt,
+                axis,
+                scale_mode=scale_mode,
+                rounding=rounding,
+                key=key,
+                tensor_amax=tensor_amax,
+                implementation="pallas",
+                interpret=True,
+                config=self.config(fmt, axis),
+            )
 
         return q
 

@@ -18,15 +18,31 @@ class TestXLAQuantizer(QuantizerSpec):
 
     def quantize_fn(self, fmt, scale_mode, axis, block_shape, rounding):
         def q(x, key, tensor_amax):
-            return lb.quantize(x, fmt, axis, scale_mode=scale_mode, block_shape=block_shape,
-                               rounding=rounding, key=key, tensor_amax=tensor_amax)
+            return lb.quantize(
+                x,
+                fmt,
+                axis,
+                scale_mode=scale_mode,
+                block_shape=block_shape,
+                rounding=rounding,
+                key=key,
+                tensor_amax=tensor_amax,
+            )
 
         return q
 
     def fake_quantize_fn(self, fmt, scale_mode, axis, block_shape, rounding):
         def fq(x, key, tensor_amax):
-            return lb.fake_quantize(x, fmt, axis, scale_mode=scale_mode, block_shape=block_shape,
-                                    rounding=rounding, key=key, tensor_amax=tensor_amax)
+            return lb.fake_quantize(
+                x,
+                fmt,
+                axis,
+                scale_mode=scale_mode,
+                block_shape=block_shape,
+                rounding=rounding,
+                key=key,
+                tensor_amax=tensor_amax,
+            )
 
         return fq
 
