@@ -547,9 +547,11 @@ struct Hadamard {
 // --------------------------------------------------------------------------------------------
 // Walking the array: items (a segment of a band), their rows, and per-worker scratch.
 
-// Floats per item: a rows segment (in L1, like 64 MX blocks of 32), and a strided band
-// segment (rows of `seg` columns: L1/L2), larger with a Hadamard block, whose band has
-// `hadamard` rows or more (longer row pieces keep the prefetcher streaming).
+// Floats per item. Rows walk: kRowsChunk of each of the band's rows (in L1 for 1-D blocks,
+// like 64 MX blocks of 32; 2-D tiles' block_a rows sit in L2, and long row pieces keep the
+// prefetcher streaming: 16x16 NVFP4 tiles measured 1.27-1.30x of x * 2 + 1 against
+// 1.30-1.42x with 2048 floats per band). Strided walk: a band segment of rows of `seg`
+// columns (L1/L2), larger with a Hadamard block, whose band has `hadamard` rows or more.
 constexpr int64_t kRowsChunk = 2048;
 constexpr int64_t kStridedChunk = 8192;
 constexpr int64_t kStridedHadamardChunk = 32768;
@@ -584,7 +586,7 @@ struct Layout {
       merged = block_a == 1 && C == C_pad;
       row_len = merged ? per_batch : C;
       nbands = merged ? 1 : P * nab * M;
-      seg = std::max(group, kRowsChunk / block_a / group * group);
+      seg = std::max(group, kRowsChunk / group * group);  // per row: block_a rows in L2
       nseg = (row_len + seg - 1) / seg;
       max_rows = block_a;
       max_tiles = (seg + block_c - 1) / block_c;
