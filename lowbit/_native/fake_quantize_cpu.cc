@@ -700,6 +700,45 @@ void TransformItem(const Layout& L, const Hadamard& h, const ItemRows& it, Scrat
 // --------------------------------------------------------------------------------------------
 // Quantizing tiles
 
+// The elements of one row of n floats in tiles of `width` (kW, when > 0), tile t with factors
+// (a1, a2, b1, b2)[t]. Restrict-qualified parameters (and the copies of c and the stream) let
+// the compiler keep the constants in registers with no alias checks per tile.
+template <Kind K, bool kSR, bool kGain, int kW>
+inline void QuantizeRow(const float* __restrict xr, float* __restrict yr, uint32_t base,
+                        int64_t n, int64_t width, const float* __restrict a1,
+                        const float* __restrict a2, const float* __restrict b1,
+                        const float* __restrict b2, const Config& config,
+                        const RandomStream& stream) {
+  const Config c = config;
+  const RandomStream st = stream;
+  if constexpr (kW == 1) {
+    for (int64_t i = 0; i < n; ++i) {
+      const Factors f{a1[i], a2[i], b1[i], b2[i], true};
+      const uint32_t rbits = kSR ? st(base + uint32_t(i)) : 0u;
+      yr[i] = Element<K, kSR, kGain>(xr[i], f, rbits, c);
+    }
+  } else {
+    const int64_t w = kW > 0 ? kW : width;
+    const int64_t full = n / w, rem = n - full * w;
+    for (int64_t b = 0; b < full; ++b) {
+      const Factors f{a1[b], a2[b], b1[b], b2[b], true};
+      const uint32_t bbase = base + uint32_t(b * w);
+      for (int64_t j = 0; j < w; ++j) {
+        const uint32_t rbits = kSR ? st(bbase + uint32_t(j)) : 0u;
+        yr[b * w + j] = Element<K, kSR, kGain>(xr[b * w + j], f, rbits, c);
+      }
+    }
+    if (rem > 0) {
+      const Factors f{a1[full], a2[full], b1[full], b2[full], true};
+      const uint32_t bbase = base + uint32_t(full * w);
+      for (int64_t j = 0; j < rem; ++j) {
+        const uint32_t rbits = kSR ? st(bbase + uint32_t(j)) : 0u;
+        yr[full * w + j] = Element<K, kSR, kGain>(xr[full * w + j], f, rbits, c);
+      }
+    }
+  }
+}
+
 // The tiles of `rows` rows of n floats: each tile is `width` consecutive floats (the last
 // one possibly shorter) of every row, tile t spanning [t * width, (t + 1) * width). kW > 0
 // fixes the width at compile time: 1 (strided: one tile per column, vectorised over
@@ -729,42 +768,10 @@ void QuantizeTiles(const float* const* in, float* const* out, const uint32_t* in
     }
   }
   FactorsOf<K>(m, tiles, c, t, e4m3, s.fa);
-  const float* __restrict a1 = s.fa.in1.data();
-  const float* __restrict a2 = s.fa.in2.data();
-  const float* __restrict b1 = s.fa.out1.data();
-  const float* __restrict b2 = s.fa.out2.data();
   for (int64_t r = 0; r < rows; ++r) {
-    const float* __restrict xr = in[r];
-    float* __restrict yr = out[r];
-    const uint32_t base = index[r];
-    if constexpr (kW == 1) {
-      for (int64_t i = 0; i < n; ++i) {
-        const Factors f{a1[i], a2[i], b1[i], b2[i], true};
-        const uint32_t rbits = kSR ? stream(base + uint32_t(i)) : 0u;
-        yr[i] = Element<K, kSR, kGain>(xr[i], f, rbits, c);
-      }
-    } else {
-      for (int64_t b = 0; b < full; ++b) {
-        const Factors f{a1[b], a2[b], b1[b], b2[b], true};
-        const float* __restrict xb = xr + b * w;
-        float* __restrict yb = yr + b * w;
-        const uint32_t bbase = base + uint32_t(b * w);
-        for (int64_t j = 0; j < w; ++j) {
-          const uint32_t rbits = kSR ? stream(bbase + uint32_t(j)) : 0u;
-          yb[j] = Element<K, kSR, kGain>(xb[j], f, rbits, c);
-        }
-      }
-      if (rem > 0) {
-        const Factors f{a1[full], a2[full], b1[full], b2[full], true};
-        const float* __restrict xb = xr + full * w;
-        float* __restrict yb = yr + full * w;
-        const uint32_t bbase = base + uint32_t(full * w);
-        for (int64_t j = 0; j < rem; ++j) {
-          const uint32_t rbits = kSR ? stream(bbase + uint32_t(j)) : 0u;
-          yb[j] = Element<K, kSR, kGain>(xb[j], f, rbits, c);
-        }
-      }
-    }
+    QuantizeRow<K, kSR, kGain, kW>(in[r], out[r], index[r], n, w, s.fa.in1.data(),
+                                   s.fa.in2.data(), s.fa.out1.data(), s.fa.out2.data(), c,
+                                   stream);
   }
 }
 
