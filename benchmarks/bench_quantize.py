@@ -142,7 +142,7 @@ def _fused_candidates(
     The XLA path's candidates come after all of the kernel's: the rounds keep the candidates'
     cyclic order, so each call always follows the same neighbour, and a call right after one
     of the XLA path's (which allocates and frees several arrays of x's size) measured up to
-    15 % slower; this way each kernel row follows a kernel row.
+    30 % slower; this way each kernel row follows a kernel row.
     """
     kernel: dict[str, Callable[[], Any]] = {}
     xla_path: dict[str, Callable[[], Any]] = {}

@@ -466,8 +466,9 @@ def test_fused_hadamard_matches_the_butterfly_then_the_xla_path(
 
 
 @needs_kernel
-@pytest.mark.parametrize("axis", [-1, 0])
-@pytest.mark.parametrize("fmt,rounding", [("mxfp4", "stochastic"), ("nvfp4", "nearest")])
+@pytest.mark.parametrize(
+    "axis,fmt,rounding", [(-1, "mxfp4", "stochastic"), (0, "nvfp4", "nearest")]
+)
 def test_fused_hadamard_on_large_arrays_split_over_threads_matches(axis, fmt, rounding):
     x = jnp.asarray(RNG.standard_normal((256, 320)).astype(np.float32))
     x = x.at[17, 40].set(300.0)  # an outlier, spread over its Hadamard block
@@ -477,8 +478,7 @@ def test_fused_hadamard_on_large_arrays_split_over_threads_matches(axis, fmt, ro
 
 
 @needs_kernel
-@pytest.mark.parametrize("axis", [-1, 0])
-@pytest.mark.parametrize("tensor_amax", [None, 0.0, 2.0])
+@pytest.mark.parametrize("axis,tensor_amax", [(-1, None), (0, None), (-1, 0.0), (0, 2.0)])
 def test_fused_hadamard_nvfp4_tensor_amax_is_that_of_the_transformed_tensor(axis, tensor_amax):
     """Its own amax: of the transformed values (finite ones only; one block holds a NaN and
     one an Inf); a calibrated one as given."""
@@ -507,14 +507,16 @@ def test_fused_hadamard_of_low_precision_inputs_matches():
     "axis,fmt,rounding", [(-1, "mxfp4", "stochastic"), (0, "nvfp4", "nearest")]
 )
 def test_fused_hadamard_under_vmap_with_per_slice_signs_matches(axis, fmt, rounding):
-    """Batched signs (one vector per slice) and shared ones; NVFP4's own tensor amax per
-    slice."""
+    """Batched signs (one vector per slice), and shared ones (MXFP4); NVFP4's own tensor
+    amax per slice."""
     x = jnp.asarray(RNG.standard_normal((3, 32, 64)).astype(np.float32))
     x = x * jnp.array([1.0, 50.0, 1e-3])[:, None, None]
     signs = jnp.stack([_signs(32, seed=k) for k in range(3)])
     reference, fused = hadamard_pair(x.shape[1:], fmt, axis, 32, rounding=rounding)
     want, got = both_fns(jax.vmap(reference), jax.vmap(fused), x, signs)
     assert_identical(want, got)
+    if fmt == "nvfp4":
+        return
     ref_shared, fused_shared = (jax.vmap(f, in_axes=(0, None)) for f in (reference, fused))
     want, got = both_fns(ref_shared, fused_shared, x, signs[0])
     assert_identical(want, got)

@@ -21,7 +21,8 @@
 // Two walks over the array. Q == 1 ("rows"): a band is block_a rows of C contiguous floats,
 // cut into segments of whole tiles; tiles are block_c consecutive floats of each row. Q > 1
 // ("strided"): a band is the block_a x block_c sub-rows of Q floats that hold a row of tiles
-// (one tile per column q), cut into column segments and vectorised over columns.
+// (one tile per column q; lcm(block_c, hadamard) sub-rows with a transform), cut into column
+// segments and vectorised over columns.
 //
 // Hadamard (1-D blocks only, along C): blocks of `hadamard` consecutive elements along C
 // (the axis length is a multiple of it), each multiplied by the signs, then butterfly stages
