@@ -126,8 +126,7 @@ def _operand_fn(
     signs = None if hadamard is None else lb.hadamard.random_signs(jax.random.key(2), hadamard)
 
     def fq(x, signs):
-        return qarray.fake_quantize_with_plan(x, kd, None, plan, hadamard=hadamard,
-                                              signs=signs)[0]
+        return qarray.fake_quantize_with_plan(x, kd, None, plan, hadamard=hadamard, signs=signs)[0]
 
     with lb.native.mode(native) if native else contextlib.nullcontext():
         compiled = jax.jit(fq).lower(x, signs).compile()
@@ -163,16 +162,30 @@ def _fused_candidates(
                     continue
                 fused = add(f"fused/{fmt}/{axis}/h{b}", hadamard=b, **q)
                 xla = add(f"fused-xla/{fmt}/{axis}/h{b}", hadamard=b, native="off", **q)
-                specs.append({"kind": "hadamard", "hadamard": b, "block_shape": None, **q,
-                              "names": (fused, xla, plain)})
+                specs.append(
+                    {
+                        "kind": "hadamard",
+                        "hadamard": b,
+                        "block_shape": None,
+                        **q,
+                        "names": (fused, xla, plain),
+                    }
+                )
     for fmt, tile in TILES[:1] if quick else TILES:
         q = {"fmt": fmt, "rounding": "nearest", "gain": 1.0, "axis": (-2, -1)}
         if any(d < t for d, t in zip(x.shape, tile, strict=True)):
             continue
         tiled = add(f"tile/{fmt}", block_shape=tile, **q)
         xla = add(f"tile-xla/{fmt}", block_shape=tile, native="off", **q)
-        specs.append({"kind": "tiles", "hadamard": None, "block_shape": tile, **q,
-                      "names": (tiled, xla, None)})
+        specs.append(
+            {
+                "kind": "tiles",
+                "hadamard": None,
+                "block_shape": tile,
+                **q,
+                "names": (tiled, xla, None),
+            }
+        )
     return {**kernel, **xla_path}, specs
 
 
@@ -459,8 +472,10 @@ def _print_table(rows: list[dict[str, Any]], t_base: common.Timing, args) -> Non
 def _print_fused_table(rows: list[dict[str, Any]], args) -> None:
     shown = []
     for r in rows:
-        what = f"hadamard {r['hadamard']}" if r["kind"] == "hadamard" else "tile {}x{}".format(
-            *r["block_shape"]
+        what = (
+            f"hadamard {r['hadamard']}"
+            if r["kind"] == "hadamard"
+            else "tile {}x{}".format(*r["block_shape"])
         )
         axis = r["axis"]
         shown.append(

@@ -328,8 +328,9 @@ def supports(plan, hadamard: int | None = None) -> bool:
     return 0 < n and not (plan.stochastic and n >= 2**32)
 
 
-def fake_quantize(x: jax.Array, key, tensor_amax, plan, xla_fn, *, hadamard=None,
-                  signs=None) -> jax.Array:
+def fake_quantize(
+    x: jax.Array, key, tensor_amax, plan, xla_fn, *, hadamard=None, signs=None
+) -> jax.Array:
     """``xla_fn(x)`` on every platform but CPU, where the kernel computes the same values.
 
     ``x`` is the caller's array (any float dtype), ``plan`` a ``qarray.Plan`` for which
@@ -389,8 +390,9 @@ def _call(x, key, tensor_amax, plan, hadamard, signs) -> jax.Array:
     if hadamard is not None and x.dtype != jnp.float32:
         # The XLA path rounds the transformed tensor to x's dtype before quantizing it:
         # transform here, then quantize that.
-        x = _hadamard.hadamard_transform(x, hadamard, signs=signs, axis=plan.axes[0],
-                                         method="butterfly")
+        x = _hadamard.hadamard_transform(
+            x, hadamard, signs=signs, axis=plan.axes[0], method="butterfly"
+        )
         hadamard = signs = None
     fmt, elem = plan.fmt, plan.fmt.elem
     xf = x.astype(jnp.float32)

@@ -371,8 +371,9 @@ def test_exporting_for_cpu_needs_mode_off_or_the_custom_call_allowed():
         ((20, 48, 5), (0, 1), (8, 16)),  # tiles over leading axes (strided), padded
     ],
 )
-@pytest.mark.parametrize("fmt,rounding", [("nvfp4", "nearest"), ("mxfp8_e4m3", "nearest"),
-                                          ("mxfp4", "stochastic")])
+@pytest.mark.parametrize(
+    "fmt,rounding", [("nvfp4", "nearest"), ("mxfp8_e4m3", "nearest"), ("mxfp4", "stochastic")]
+)
 def test_2d_tiles_match_the_xla_path(shape, axes, tile, fmt, rounding):
     x = jnp.asarray(hard_values(shape, seed=len(shape) + tile[0]))
     key = _key(rounding)
@@ -385,11 +386,13 @@ def test_2d_tiles_match_the_xla_path(shape, axes, tile, fmt, rounding):
 @needs_kernel
 def test_2d_tiles_with_calibrated_tensor_amax_gain_and_vmap_match():
     x = jnp.asarray(RNG.standard_normal((3, 32, 48)).astype(np.float32))
-    plan = _qa.make_plan(x.shape[1:], "nvfp4", (0, 1), (16, 16), None, "nearest", None, 1.5,
-                         gain=0.75)
+    plan = _qa.make_plan(
+        x.shape[1:], "nvfp4", (0, 1), (16, 16), None, "nearest", None, 1.5, gain=0.75
+    )
     want, got = both(
         jax.vmap(lambda x, t: _qa.fake_quantize_with_plan(x, None, t, plan)[0]),
-        x, jnp.array([1.5, 0.5, 3.0], jnp.float32),
+        x,
+        jnp.array([1.5, 0.5, 3.0], jnp.float32),
     )
     assert_identical(want, got)
 
@@ -398,8 +401,18 @@ def test_2d_tiles_with_calibrated_tensor_amax_gain_and_vmap_match():
 # The fused Hadamard transform: the butterfly, then the XLA path, bit for bit
 
 
-def hadamard_pair(shape, fmt, axis, hb, *, rounding="nearest", block=None, gain=1.0,
-                  scale_mode=None, tensor_amax=None):
+def hadamard_pair(
+    shape,
+    fmt,
+    axis,
+    hb,
+    *,
+    rounding="nearest",
+    block=None,
+    gain=1.0,
+    scale_mode=None,
+    tensor_amax=None,
+):
     """``(reference, fused)`` functions of ``(x, signs)``: ``hadamard_transform(method=
     "butterfly")`` then the XLA quantizer, and the kernel's fused transform."""
     key = jax.random.key_data(jax.random.key(4)) if rounding == "stochastic" else None
@@ -407,8 +420,9 @@ def hadamard_pair(shape, fmt, axis, hb, *, rounding="nearest", block=None, gain=
     plan = _qa.make_plan(shape, fmt, axis, bs, scale_mode, rounding, key, tensor_amax, gain=gain)
 
     def reference(x, signs, tamax=tensor_amax):
-        xh = lb.hadamard.hadamard_transform(x, hb, signs=signs, axis=plan.axes[0],
-                                            method="butterfly")
+        xh = lb.hadamard.hadamard_transform(
+            x, hb, signs=signs, axis=plan.axes[0], method="butterfly"
+        )
         return _qa.fake_quantize_with_plan_xla(xh, key, tamax, plan, False)[0]
 
     def fused(x, signs, tamax=tensor_amax):
@@ -458,8 +472,9 @@ def test_fused_hadamard_matches_the_butterfly_then_the_xla_path(
     """Hard values (NaN, +-Inf, magnitudes 2**-60 .. 2**60, subnormals, near float32's max,
     which the transform overflows into Inf and NaN), with signs (and without)."""
     x = jnp.asarray(hard_values(shape, seed=hb + len(shape)))
-    reference, fused = hadamard_pair(shape, fmt, axis, hb, rounding=rounding, block=block,
-                                     gain=gain, scale_mode=scale_mode)
+    reference, fused = hadamard_pair(
+        shape, fmt, axis, hb, rounding=rounding, block=block, gain=gain, scale_mode=scale_mode
+    )
     for signs in (_signs(hb), None) if unsigned else (_signs(hb),):
         want, got = both_fns(reference, fused, x, signs)
         assert_identical(want, got)
@@ -657,5 +672,6 @@ def test_supports_says_where_the_kernel_serves():
     assert not native.supports(plan(shape=(32, 0)))
     x = jnp.ones((32, 32))
     with pytest.raises(ValueError, match="does not support"):
-        native.fake_quantize(x, None, None, plan(axis=(0, 1), block=(16, 16)), lambda x: x,
-                             hadamard=16)
+        native.fake_quantize(
+            x, None, None, plan(axis=(0, 1), block=(16, 16)), lambda x: x, hadamard=16
+        )
