@@ -18,7 +18,7 @@ test through the ``check_*`` hooks. What the shared tests assert:
 6. ``describe()``: bits per weight per recipe, module kinds and names, totals, implementations.
 7. ``implementation=``: validated with an error naming the argument; it reaches every
    ``lowbit.dot_general`` / ``lowbit.einsum`` call of the quantized sites (training and packed
-   serving); on CPU ``"xla"`` equals the default bit for bit (outputs and gradients, in 3.).
+   serving); on CPU ``"xla"`` equals the default bit for bit (outputs and gradients).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ FWD_RULES = [
 ]
 
 SR_RULES = [(r"up|down", "nvfp4")]  # stochastic rounding and random Hadamard signs
+QAT_RULES = [(r"up|down", "qat_mxfp4")]
 
 # Megatron-style sharding of the MLP: up by output features, down by input features.
 MLP_SHARDING = {
@@ -73,6 +74,12 @@ BAD_IMPLEMENTATION = r"implementation must be one of \(None, 'xla', 'pallas'\) .
 @functools.cache
 def example_x() -> jax.Array:
     return jax.random.normal(jax.random.key(0), (B, T, D))
+
+
+@functools.cache
+def batch4_x() -> jax.Array:
+    """A batch of 4: divisible by the mesh's 'data' axis."""
+    return jax.random.normal(jax.random.key(5), (4, T, D))
 
 
 def assert_trees_equal(a, b):
@@ -235,15 +242,6 @@ class FlaxIntegrationBase:
         y1b, g1b, gx1b = a.step(r1b, x, ct)
         y2, g2, gx2 = a.step(r2, x, ct)
         assert_trees_equal((g1, gx1), (g1b, gx1b))
-        # implementation="xla" (the pure-XLA reference) equals the default on CPU bit for bit,
-        # stochastic rounding and Hadamard signs included. (The default is the emulation; with
-        # the tests' 4 CPU devices lowbit.native's auto mode keeps its kernel off, which would
-        # otherwise fuse NVFP4's wgrad Hadamard with the butterfly's arithmetic.)
-        r1x = a.quantize(mlp, SR_RULES, seed=1, implementation="xla")
-        assert_trees_equal(a.step(r1x, x, ct), (y1, g1, gx1))
-        np.testing.assert_array_equal(y1, y2)  # NVFP4's forward rounds to nearest
-        assert not np.array_equal(g1["up"]["kernel"], g2["up"]["kernel"])
-        assert not np.array_equal(gx1, gx2)
         self.check_stream_advances(r1, g1, x, ct)
 
     def test_missing_quant_stream(self, x):
@@ -283,9 +281,9 @@ class FlaxIntegrationBase:
         mesh: the forward equals the unsharded one bit for bit (blocks run along unsharded
         axes or whole shards); gradients to rounding."""
         a = self.adapter
-        x = jax.random.normal(jax.random.key(5), (4, T, D))  # batch 4: divisible by 'data'
+        x = batch4_x()
         mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-        q = a.quantize(a.mlp(), [(r"up|down", "qat_mxfp4")])
+        q = a.quantize(a.mlp(), QAT_RULES)
         sharded = a.shard(q, mesh, MLP_SHARDING)
         assert len(a.leaf(a.params(sharded), "up/kernel").sharding.device_set) == 4
         xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
@@ -328,6 +326,17 @@ class FlaxIntegrationBase:
         assert {s.path: s.implementation for s in sites} == {"up": "xla", "down": None}
 
     # 7. implementation=
+
+    def test_implementation_xla_equals_default(self):
+        """On CPU, implementation="xla" (the pure-XLA reference) computes what the default
+        computes, outputs and gradients bit for bit. (The same model and input as the
+        unsharded step of :meth:`test_sharded_params`.)"""
+        a = self.adapter
+        x = batch4_x()
+        ct = jnp.ones_like(x)
+        mlp = a.mlp()
+        xla = a.step(a.quantize(mlp, QAT_RULES, implementation="xla"), x, ct)
+        assert_trees_equal(xla, a.step(a.quantize(mlp, QAT_RULES), x, ct))
 
     def test_implementation_reaches_every_gemm(self, x, monkeypatch):
         a = self.adapter
