@@ -318,11 +318,14 @@ class FlaxIntegrationBase:
             assert word in out
         # the implementation the quantized sites would run
         assert all(r.implementation is None for r in rows)
-        rows = a.describe(model, FWD_RULES, x, implementation="pallas", print_fn=None)
-        impl = {r.path: r.implementation for r in rows}
-        assert impl["up"] == impl["attn/attn_scores"] == impl["mix"] == "pallas"
-        assert impl["attn/attn_values"] is None and impl["total"] is None
-        sites = a.sites(a.mlp(), [(r"up", "qat_mxfp4")], x, implementation="xla")
+        mlp, rules = a.mlp(), [(r"up", "qat_mxfp4")]
+        rows = a.describe(mlp, rules, x, implementation="pallas", print_fn=None)
+        assert {r.path: r.implementation for r in rows} == {
+            "up": "pallas",
+            "down": None,
+            "total": None,
+        }
+        sites = a.sites(mlp, rules, x, implementation="xla")
         assert {s.path: s.implementation for s in sites} == {"up": "xla", "down": None}
 
     # 7. implementation=
