@@ -48,8 +48,6 @@ __all__ = [
 
 # fold_in tags: one stream per (GEMM, operand) for rounding and one per GEMM for signs.
 _FWD, _DLHS, _DRHS = 0, 1, 2
-_fold = fold_key
-_signs = gemm_signs
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,8 +119,8 @@ def _prepare(x, spec, gemm: GemmSpec, axis, other_axis, key, signs, use_barrier:
 
 def _fwd_operands(lhs, rhs, dims: _Dims, recipe: Recipe, key, native: bool):
     g = recipe.fwd
-    signs = _signs(g, key, _FWD)
-    lk, rk = (_fold(key, _FWD, i) if key is not None else None for i in (0, 1))
+    signs = gemm_signs(g, key, _FWD)
+    lk, rk = (fold_key(key, _FWD, i) if key is not None else None for i in (0, 1))
     lq = _prepare(lhs, g.lhs, g, _last(dims.lhs_contract), _last(dims.lhs_free), lk, signs, True,
                   native=native)
     rq = _prepare(rhs, g.rhs, g, _last(dims.rhs_contract), _last(dims.rhs_free), rk, signs, True,
@@ -201,7 +199,7 @@ def _gemm(a, b, gemm: GemmSpec, key, tag: int, signs, st: _Static):
         return _dot(a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (0,)), ((), ())))
     quantized_gemm = _gemm_op("pallas")
     return quantized_gemm(barrier(a.astype(jnp.float32)), barrier(b.astype(jnp.float32)),
-                          gemm.lhs, gemm.rhs, _fold(key, tag, 0), _fold(key, tag, 1),
+                          gemm.lhs, gemm.rhs, fold_key(key, tag, 0), fold_key(key, tag, 1),
                           hadamard=gemm.hadamard or None, signs=signs,
                           implementation=st.requested)
 
@@ -210,7 +208,7 @@ def _pallas_fwd(lhs, rhs, st: _Static, key):
     g, rc = st.recipe.fwd, st.dn[0][1][0]
     k = lhs.shape[-1]
     y = _gemm(lhs.reshape(-1, k), rhs if rc == 0 else rhs.T, g, key, _FWD,
-              _signs(g, key, _FWD), st)
+              gemm_signs(g, key, _FWD), st)
     return y.reshape(*lhs.shape[:-1], y.shape[-1])
 
 
@@ -223,7 +221,7 @@ def _pallas_bwd(lhs, rhs, dy, st: _Static, key):
     if dl.rhs is None or dr.lhs is None:  # straight-through operands: the forward's values
         dims = _Dims.of(st.dn, lhs.ndim, rhs.ndim)
         lq, rq, fwd_signs = _fwd_operands(lhs, rhs, dims, recipe, key, st.native)
-    s_dl, s_dr = _signs(dl, key, _DLHS), _signs(dr, key, _DRHS)
+    s_dl, s_dr = gemm_signs(dl, key, _DLHS), gemm_signs(dr, key, _DRHS)
     w = rhs if dl.rhs is not None else _effective(rq, recipe.fwd, rc, fwd_signs)
     dlhs = _gemm(dy.reshape(-1, n), w.T if rc == 0 else w, dl, key, _DLHS, s_dl, st)
     x = lhs if dr.lhs is not None else _effective(lq, recipe.fwd, lhs.ndim - 1, fwd_signs)
@@ -261,20 +259,20 @@ def _bwd_static_operands(lhs, rhs, lq, rq, fwd_signs, dims: _Dims, recipe: Recip
     """The rhs of dgrad and the lhs of wgrad (they do not depend on dy); with ``packed``,
     the quantized ones in packed form (see :func:`quantize_operand`)."""
     dl, dr = recipe.dlhs, recipe.drhs
-    s_dl, s_dr = _signs(dl, key, _DLHS), _signs(dr, key, _DRHS)
+    s_dl, s_dr = gemm_signs(dl, key, _DLHS), gemm_signs(dr, key, _DRHS)
     r_axis, r_other = _last(dims.rhs_free), _last(dims.rhs_contract)
     l_axis, l_other = _last(dims.lhs_free), _last(dims.lhs_contract)
     if dl.rhs is None:  # straight-through: the forward's operand, original basis
         w = _effective(rq, recipe.fwd, _last(dims.rhs_contract), fwd_signs)
         w_dl = _prepare(w, None, dl, r_axis, r_other, None, s_dl, False, native=native)
     else:
-        w_dl = _prepare(rhs, dl.rhs, dl, r_axis, r_other, _fold(key, _DLHS, 1), s_dl, True,
+        w_dl = _prepare(rhs, dl.rhs, dl, r_axis, r_other, fold_key(key, _DLHS, 1), s_dl, True,
                         packed, native=native)
     if dr.lhs is None:
         x = _effective(lq, recipe.fwd, _last(dims.lhs_contract), fwd_signs)
         x_dr = _prepare(x, None, dr, l_axis, l_other, None, s_dr, False, native=native)
     else:
-        x_dr = _prepare(lhs, dr.lhs, dr, l_axis, l_other, _fold(key, _DRHS, 0), s_dr, True,
+        x_dr = _prepare(lhs, dr.lhs, dr, l_axis, l_other, fold_key(key, _DRHS, 0), s_dr, True,
                         packed, native=native)
     return w_dl, x_dr, s_dl, s_dr
 
@@ -294,12 +292,12 @@ def _qdot_bwd(st: _Static, res, dy):
     else:
         w_dl = unpack_operand(saved[0], recipe.dlhs.rhs)
         x_dr = unpack_operand(saved[1], recipe.drhs.lhs)
-        s_dl, s_dr = _signs(recipe.dlhs, key, _DLHS), _signs(recipe.drhs, key, _DRHS)
+        s_dl, s_dr = gemm_signs(recipe.dlhs, key, _DLHS), gemm_signs(recipe.drhs, key, _DRHS)
     dl, dr = recipe.dlhs, recipe.drhs
     dy_dl = _prepare(dy, dl.lhs, dl, _last(dims.out_rhs_free), _last(dims.out_lhs_free),
-                     _fold(key, _DLHS, 0), s_dl, True, native=st.native)
+                     fold_key(key, _DLHS, 0), s_dl, True, native=st.native)
     dy_dr = _prepare(dy, dr.rhs, dr, _last(dims.out_lhs_free), _last(dims.out_rhs_free),
-                     _fold(key, _DRHS, 1), s_dr, True, native=st.native)
+                     fold_key(key, _DRHS, 1), s_dr, True, native=st.native)
     dlhs = _transpose_lhs(dy_dl, w_dl, dn, st.lhs_shape).astype(st.lhs_dtype)
     drhs = _transpose_rhs(dy_dr, x_dr, dn, st.rhs_shape).astype(st.rhs_dtype)
     return dlhs, drhs, None

@@ -69,13 +69,17 @@ def barrier(x):
     return materialize(x)[0]
 
 
-def hadamard_along(x, axis: int, block: int, signs, *, inverse: bool = False):
-    """``hadamard_transform`` of ``x`` along ``axis`` with a clear error for a bad length."""
+def _check_hadamard_length(x, axis: int, block: int) -> None:
     if x.shape[axis] % block:
         raise ValueError(
             f"a Hadamard transform of block {block} along an axis of length {x.shape[axis]}: "
             f"the length must be a multiple of {block}"
         )
+
+
+def hadamard_along(x, axis: int, block: int, signs, *, inverse: bool = False):
+    """``hadamard_transform`` of ``x`` along ``axis`` with a clear error for a bad length."""
+    _check_hadamard_length(x, axis, block)
     return _hadamard.hadamard_transform(x, block, signs=signs, axis=axis, inverse=inverse)
 
 
@@ -158,8 +162,7 @@ def quantize_operand(
     if packed:
         return _qa.quantize_with_plan(x, plan, rounding_key, None)
     if fuse:
-        if x.shape[axis] % hadamard:
-            hadamard_along(x, axis, hadamard, signs)  # raises the error
+        _check_hadamard_length(x, axis, hadamard)
         return _qa.fake_quantize_with_plan(x, rounding_key, None, plan, hadamard=hadamard,
                                            signs=signs, native=native)[0]
     return _qa.fake_quantize_with_plan(x, rounding_key, None, plan, native=native)[0]

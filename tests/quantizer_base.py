@@ -504,6 +504,25 @@ class QuantizerSpec:
     def fake_quantize_fn(self, fmt, scale_mode, axis, block_shape, rounding):
         return None
 
+    @staticmethod
+    def lowbit_entry(fn, fmt, scale_mode, axis, block_shape, rounding):
+        """``fn`` (``lb.quantize`` or ``lb.fake_quantize``) with this configuration bound:
+        ``(x, key, tensor_amax) -> result`` (the hooks of the lowbit-backed subclasses)."""
+
+        def call(x, key, tensor_amax):
+            return fn(
+                x,
+                fmt,
+                axis,
+                scale_mode=scale_mode,
+                block_shape=block_shape,
+                rounding=rounding,
+                key=key,
+                tensor_amax=tensor_amax,
+            )
+
+        return call
+
     def trace_context(self):
         return contextlib.nullcontext()
 

@@ -36,19 +36,7 @@ class TestNativeQuantizer(QuantizerSpec):
     large_shape = (512, 384)  # above 2**16 elements the kernel splits work over threads
 
     def fake_quantize_fn(self, fmt, scale_mode, axis, block_shape, rounding):
-        def fq(x, key, tensor_amax):
-            return lb.fake_quantize(
-                x,
-                fmt,
-                axis,
-                scale_mode=scale_mode,
-                block_shape=block_shape,
-                rounding=rounding,
-                key=key,
-                tensor_amax=tensor_amax,
-            )
-
-        return fq
+        return self.lowbit_entry(lb.fake_quantize, fmt, scale_mode, axis, block_shape, rounding)
 
     def trace_context(self):
         return native.mode("on")

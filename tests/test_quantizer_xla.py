@@ -17,34 +17,10 @@ class TestXLAQuantizer(QuantizerSpec):
     stochastic_vs_xla = Unsupported("it is the XLA path (tests/test_properties.py: statistics)")
 
     def quantize_fn(self, fmt, scale_mode, axis, block_shape, rounding):
-        def q(x, key, tensor_amax):
-            return lb.quantize(
-                x,
-                fmt,
-                axis,
-                scale_mode=scale_mode,
-                block_shape=block_shape,
-                rounding=rounding,
-                key=key,
-                tensor_amax=tensor_amax,
-            )
-
-        return q
+        return self.lowbit_entry(lb.quantize, fmt, scale_mode, axis, block_shape, rounding)
 
     def fake_quantize_fn(self, fmt, scale_mode, axis, block_shape, rounding):
-        def fq(x, key, tensor_amax):
-            return lb.fake_quantize(
-                x,
-                fmt,
-                axis,
-                scale_mode=scale_mode,
-                block_shape=block_shape,
-                rounding=rounding,
-                key=key,
-                tensor_amax=tensor_amax,
-            )
-
-        return fq
+        return self.lowbit_entry(lb.fake_quantize, fmt, scale_mode, axis, block_shape, rounding)
 
     def trace_context(self):
         return lb.native.mode("off")
