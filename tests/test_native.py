@@ -1,5 +1,4 @@
-"""The compiled CPU kernel (``lowbit.native``): bit-identical to the XLA path, and to the
-numpy reference, everywhere ``fake_quantize`` can send it (1-D blocks, 2-D tiles, and a fused
+"""The compiled CPU kernel (``lowbit.native``): bit-identical to the XLA path everywhere ``fake_quantize`` can send it (1-D blocks, 2-D tiles, and a fused
 Hadamard transform, against ``hadamard_transform(method="butterfly")`` then the XLA path);
 its policy and its build.
 
@@ -7,7 +6,9 @@ Every comparison traces the same function twice, under ``lb.native.mode("off")``
 emulation) and ``mode("on")`` (the kernel), checks that the second really contains the custom
 call, and requires the same NaN positions and the same bits everywhere else. The conftest's
 four host devices make the default policy ("auto") pick the XLA path for the rest of the
-suite, so these tests are where the kernel is exercised.
+suite, so these tests are where the kernel is exercised. The spec tests against the NumPy
+reference (tests/reference.py: ties, saturation, special blocks, the NVFP4 division-sensitive
+inputs) run for the kernel from the shared base, tests/test_quantizer_native.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import pytest
 import lowbit as lb
 from lowbit import native
 from lowbit import qarray as _qa
-from tests import reference as ref
 
 needs_kernel = pytest.mark.skipif(
     not native.available(), reason=f"no native CPU kernel: {native.why_unavailable()}"
@@ -187,54 +187,6 @@ def test_blocks_of_zeros_and_tiny_values_match(fmt):
 
 # --------------------------------------------------------------------------------------------
 # The kernel against the independent numpy reference
-
-
-@needs_kernel
-@pytest.mark.parametrize("fmt,scale_mode", [(f, m) for f in MX for m in ref.SCALE_MODES])
-def test_mx_matches_the_numpy_reference(fmt, scale_mode):
-    x = (RNG.standard_normal((6, 128)) * np.exp2(RNG.integers(-20, 20, (6, 128)))).astype(
-        np.float32
-    )
-    x[0, 5] = np.nan
-    x[2, 40] = -np.inf
-    with native.mode("on"):
-        got = jax.jit(lambda x: lb.fake_quantize(x, fmt, scale_mode=scale_mode))(x)
-    want = ref.mx_quantize(x, fmt, scale_mode=scale_mode).values
-    np.testing.assert_array_equal(np.asarray(got), want)
-
-
-@needs_kernel
-@pytest.mark.parametrize("axis", [0, 1])
-def test_nvfp4_matches_the_numpy_reference(axis):
-    x = (RNG.standard_normal((48, 64)) * np.exp2(RNG.integers(-6, 6, (48, 64)))).astype(np.float32)
-    with native.mode("on"):
-        got = jax.jit(lambda x: lb.fake_quantize(x, "nvfp4", axis))(x)
-    np.testing.assert_array_equal(np.asarray(got), ref.nvfp4_quantize(x, axis).values)
-
-
-@needs_kernel
-def test_nvfp4_division_sensitive_blocks_match_the_reference():
-    """Block scales that land on E4M3 ties if (amax / 6) / t is reassociated, and the blocks
-    from training where the XLA path did so (fixed in numerics.ieee_div)."""
-    from tests.test_exact import (
-        NVFP4_TRAINING_BLOCKS,
-        _nvfp4_division_sensitive_rows,
-        _nvfp4_reciprocal_sensitive_matrix,
-    )
-
-    x = _nvfp4_division_sensitive_rows(seed=1)
-    extra = np.zeros((len(NVFP4_TRAINING_BLOCKS), 32), np.float32)
-    for i, (block, tamax) in enumerate(NVFP4_TRAINING_BLOCKS):
-        extra[i, :16], extra[i, 16] = block, tamax
-    x = np.concatenate([x, extra])
-    expected = np.stack([ref.nvfp4_quantize(r[None]).values[0] for r in x])
-    want, got = both(jax.vmap(lambda r: lb.fake_quantize(r[None], "nvfp4")[0]), jnp.asarray(x))
-    np.testing.assert_array_equal(np.asarray(got), expected)
-    assert_identical(want, got)
-    x = _nvfp4_reciprocal_sensitive_matrix(seed=4)
-    want, got = both(lambda x: lb.fake_quantize(x, "nvfp4"), jnp.asarray(x))
-    np.testing.assert_array_equal(np.asarray(got), ref.nvfp4_quantize(x).values)
-    assert_identical(want, got)
 
 
 # --------------------------------------------------------------------------------------------
