@@ -138,6 +138,8 @@ HADAMARD_PAIRS = [
     (QuantSpec("mxfp4"),) * 2,
     (QuantSpec("nvfp4"), QuantSpec("nvfp4", rounding="stochastic")),
     (SR4, None),
+    (SR4P, SR4P),  # quartet's backward GEMMs: the kernel path fuses transform and gain
+    (QuantSpec("mxfp4", clip_rms=2.92),) * 2,  # quartet's forward: the clip reads the rotation
 ]
 
 

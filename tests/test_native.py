@@ -1,6 +1,6 @@
-"""The compiled CPU kernel (``lowbit.native``): bit-identical to the XLA path everywhere ``fake_quantize`` can send it (1-D blocks, 2-D tiles, and a fused
-Hadamard transform, against ``hadamard_transform(method="butterfly")`` then the XLA path);
-its policy and its build.
+"""The compiled CPU kernel (``lowbit.native``): bit-identical to the XLA path everywhere
+``fake_quantize`` can send it (1-D blocks, 2-D tiles, and a fused Hadamard transform, against
+``hadamard_transform(method="butterfly")`` then the XLA path); its policy and its build.
 
 Every comparison traces the same function twice, under ``lb.native.mode("off")`` (the XLA
 emulation) and ``mode("on")`` (the kernel), checks that the second really contains the custom

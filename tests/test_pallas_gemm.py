@@ -18,6 +18,7 @@ to the sum:
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ import pytest
 from jax import lax
 
 import lowbit as lb
+from lowbit.hadamard import random_signs
 from lowbit.operand import quantize_operand
 from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 from pallas_kernels._common import TRITON_CUSTOM_CALL_TARGETS, export_for_cuda, on_gpu
@@ -101,6 +103,7 @@ INTERPRET_PAIRS = [
     (SR4, SR4),
     (None, QuantSpec("mxfp4")),
     (QuantSpec("mxfp4", clip_rms=2.92),) * 2,
+    (SR4P, SR4P),
 ]
 
 
@@ -120,6 +123,20 @@ class TestPallasInterpret(QuantizedGemmSpec):
         fn = functools.partial(quantized_gemm, spec_a=QuantSpec("mxfp4"),
                                spec_b=QuantSpec("mxfp4"), interpret=True)
         assert "pallas_call" in str(jax.make_jaxpr(fn)(a, b))
+
+    @pytest.mark.parametrize("spec", [SR4P, QuantSpec("mxfp4", clip_rms=2.92)], ids=spec_name)
+    def test_the_quantize_kernels_transform_unless_a_clip_reads_the_rotation(self, spec):
+        a, b = data(32, 64, 32)
+
+        def fn(a, b, signs):
+            return quantized_gemm(a, b, spec, spec, KEY_A, KEY_B, hadamard=16, signs=signs,
+                                  interpret=True)
+
+        jaxpr = str(jax.make_jaxpr(fn)(a, b, random_signs(jax.random.key(0), 16)))
+        names = set(re.findall(r"name=(quantize_\w+)", jaxpr))
+        fused = spec.clip_rms is None
+        suffix = "_hadamard16" if fused else ""
+        assert names == {f"quantize_mxfp4_axis1{suffix}", f"quantize_mxfp4_axis0{suffix}"}
 
 
 def _jit(fn, pair, **kw):
@@ -170,17 +187,16 @@ def test_kernel_supports():
         ((QuantSpec("nvfp4"), QuantSpec("nvfp4", block_shape=(16, 16))), "2-D block_shape"),
         ((QuantSpec("mxfp4", block_shape=(16,)), None), "not mxfp4's own block"),
         ((None, None), "both operands are high precision"),
-        ((SR4P, SR4P), "prescale=0.75 is a gain"),
     ]:
         ok, reason = kernel_supports(*pair)
         assert not ok and why in reason, reason
     with pytest.raises(TypeError, match="QuantSpec"):
         kernel_supports("mxfp4", None)
-    # every recipe's GEMMs but per-tensor FP8, NVFP4's 16x16 weight tiles and prescale gains
+    assert kernel_supports(SR4P, SR4P) == (True, "")  # a prescale gain is the kernel's gain
+    # every recipe's GEMMs but per-tensor FP8 and NVFP4's 16x16 weight tiles
     for pair in _recipe_pairs():
         tiles = any(s is not None and s.block_shape == (16, 16) for s in pair)
-        gain = any(s is not None and s.prescale != 1.0 for s in pair)
-        expected = pair[0].granularity == "block" and not tiles and not gain
+        expected = pair[0].granularity == "block" and not tiles
         assert kernel_supports(*pair)[0] == expected
 
 

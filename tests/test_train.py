@@ -136,7 +136,17 @@ def test_a_hadamard_block_that_does_not_divide_the_model_is_named(tmp_path, corp
 # Training
 
 
-@pytest.mark.parametrize("recipe", lb.recipes.names())
+def _recipe_cases():
+    """Every registered recipe; the QAT recipes of the MXFP8 and MXFP6 element variants (and
+    the aliases of two of them) run with ``make test-slow`` only: their formats train in the
+    FQT recipes and are pinned bit for bit by the quantizer tests."""
+    variants = {f"qat_{f}" for f in ("mxfp8", "mxfp6", "mxfp8_e4m3", "mxfp8_e5m2",
+                                     "mxfp6_e2m3", "mxfp6_e3m2")}
+    return [pytest.param(n, marks=pytest.mark.slow) if n in variants else n
+            for n in lb.recipes.names()]
+
+
+@pytest.mark.parametrize("recipe", _recipe_cases())
 def test_a_tiny_run_of_each_recipe_lowers_the_loss(tmp_path, corpus, recipe):
     cfg = training.RunConfig.from_config(tiny(tmp_path, corpus, recipe))
     r = training.train(cfg, log=quiet)
@@ -155,10 +165,11 @@ def test_a_tiny_run_of_each_recipe_lowers_the_loss(tmp_path, corpus, recipe):
     assert json.loads((r.run_dir / "config.json").read_text())["quant"]["recipe"] == recipe
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("recipe", ["nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow)])
 def test_a_stopped_and_resumed_run_reproduces_the_uninterrupted_one(tmp_path, corpus, recipe):
     # nvfp4 draws stochastic-rounding keys and random Hadamard signs from the quantizer's rng
-    # stream: its state must be checkpointed too for the losses to match bit for bit.
+    # stream: its state must be checkpointed too for the losses to match bit for bit (mxfp4,
+    # deterministic, runs with make test-slow).
     full = training.train(
         training.RunConfig.from_config(
             tiny(tmp_path / "a", corpus, recipe, steps=12, checkpoint_every=4, eval_every=6)
@@ -192,7 +203,7 @@ def test_resume_with_a_changed_config_is_refused(tmp_path, corpus):
         training.train(training.RunConfig.from_config(cfg), resume=True, log=quiet)
 
 
-@pytest.mark.parametrize("recipe", ["none", "mxfp8"])
+@pytest.mark.parametrize("recipe", [pytest.param("none", marks=pytest.mark.slow), "mxfp8"])
 def test_one_and_four_devices_give_the_same_losses(tmp_path, corpus, recipe):
     assert len(jax.devices()) >= 4, "conftest fakes 4 CPU devices"
     runs = {}
@@ -317,10 +328,18 @@ def _triton_launches(module_text: str) -> int:
 
 def _expected_launches(cfg: training.RunConfig) -> int:
     """Per quantized linear layer and GEMM the kernels support: one quantize kernel per
-    quantized operand and one block-scaled matmul."""
+    quantized operand (two for NVFP4 with a fused Hadamard transform: the tensor amax of the
+    transformed operand is a pass of its own) and one block-scaled matmul."""
     r = lb.recipes.get(cfg.quant.recipe)
+
+    def kernels(spec, gemm):
+        if spec is None:
+            return 0
+        amax_pass = spec.format == "nvfp4" and gemm.hadamard and spec.clip_rms is None
+        return 2 if amax_pass else 1
+
     per_layer = sum(
-        (g.lhs is not None) + (g.rhs is not None) + 1
+        kernels(g.lhs, g) + kernels(g.rhs, g) + 1
         for g in (r.fwd, r.dlhs, r.drhs)
         if g.active and kernel_supports(g.lhs, g.rhs)[0]
     )
@@ -349,10 +368,12 @@ def test_pallas_implementation_trains_like_the_default_on_cpu(tmp_path, corpus):
     assert saved["quant"]["implementation"] == "pallas"
 
 
-@pytest.mark.parametrize("recipe", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["mxfp4", "nvfp4", "quartet"])
 def test_the_train_step_exported_for_cuda_holds_the_triton_kernels(tmp_path, corpus, recipe):
     # mxfp4: every GEMM has kernels (3 launches each); nvfp4: only the weight gradient (its
-    # weight's 16x16 tiles have none), the others run the emulation.
+    # weight's 16x16 tiles have none; 5 launches: its 16-point transform is fused, so each
+    # operand's tensor amax is a kernel pass), the others run the emulation; quartet: every
+    # GEMM, its Hadamard transforms and 3/4 gains inside the quantize kernels.
     cfg = _pallas_tiny(tmp_path, corpus, recipe, "pallas")
     trainer = training._Trainer(cfg, training.make_mesh(cfg.mesh))
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len), jnp.int32)
@@ -367,8 +388,11 @@ def test_the_train_step_exported_for_cuda_holds_the_triton_kernels(tmp_path, cor
         )
     assert exported.platforms == ("cuda",)
     expected = _expected_launches(cfg)
-    assert expected == {"mxfp4": 36, "nvfp4": 12}[recipe]
-    assert _triton_launches(exported.mlir_module()) == expected
+    assert expected == {"mxfp4": 36, "nvfp4": 20, "quartet": 36}[recipe]
+    text = exported.mlir_module()
+    assert _triton_launches(text) == expected
+    if recipe == "quartet":  # the backward's quantize kernels fuse the 32-point transform
+        assert "hadamard32" in text
 
 
 # --------------------------------------------------------------------------------------------

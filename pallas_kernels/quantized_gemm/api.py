@@ -16,7 +16,7 @@ Implementations (``implementation=``, the same vocabulary as every op):
 - ``interpret=True`` forces the kernel path in Pallas interpret mode (CPU testing).
 
 A pair of specs the kernels cannot take (:func:`kernel_supports`: per-tensor FP8, 2-D tiles,
-a 1-D block that is not the format's own, a prescale gain, both operands high precision) runs
+a 1-D block that is not the format's own, both operands high precision) runs
 the emulation on every platform.
 
 Since only the branch of the lowering platform is lowered, ``jax.export(...,

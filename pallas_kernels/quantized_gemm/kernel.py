@@ -2,12 +2,17 @@
 block-scaled matmul kernel on the packed codes.
 
 Each quantized operand goes through ``pallas_kernels.quantize`` along K (``a`` along axis 1,
-``b`` along axis 0; bit-exact with lowbit's quantizer, stochastic rounding included), after the
-RMS clipping of ``clip_rms`` specs (XLA) and the GEMM's Hadamard transform (XLA, the same
-``lowbit.hadamard`` call as the emulation); the block-scaled matmul then multiplies the packed
-codes with float32 accumulation (a None spec: that operand enters in float32, the weight-only
-GEMM). It matches the emulation to float32-accumulation tolerance: the quantized values are the
-same, only the order of the float32 sums and where NVFP4's tensor scale is applied differ.
+``b`` along axis 0; bit-exact with lowbit's quantizer, stochastic rounding included). The
+GEMM's Hadamard transform runs inside that kernel, on the tile it loaded (lowbit's fixed-order
+butterfly), and a recipe's ``prescale`` is the kernel's ``gain``: the codes hold the gained
+elements and the matmul's float32 result is divided by the two gains. Two cases transform in
+XLA first (the same ``lowbit.hadamard`` call as the emulation): a high-precision (None)
+operand, which enters the matmul in float32 (the weight-only GEMM), and a ``clip_rms`` spec,
+whose RMS clip (XLA) reads the transformed operand. It matches the emulation to
+float32-accumulation tolerance: the quantized values are the same, only the order of the
+float32 sums, where NVFP4's tensor scale and the gains are applied, and (on inputs where the
+transform's float32 arithmetic is inexact) the butterfly's against the dense form's rounding
+differ.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import jax.numpy as jnp
 
 from lowbit import formats as _formats
 from lowbit.operand import clip_to_rms, hadamard_along
+from lowbit.qarray import ungain
 from lowbit.recipes import QuantSpec
 from pallas_kernels._common import is_pow2
 from pallas_kernels.block_scaled_matmul import get_default as _matmul_default
@@ -56,11 +62,6 @@ def _spec_unsupported(spec: QuantSpec | None, name: str) -> str | None:
         return f"{name}: {fmt.elem.bits}-bit elements (the kernels pack 4, 6 or 8 bits)"
     if fmt.tensor_scale and spec.scale_mode not in (None, "nvfp4"):
         return f"{name}: scale_mode={spec.scale_mode!r} does not apply to {fmt.name}"
-    if spec.prescale != 1.0:
-        return (
-            f"{name}: prescale={spec.prescale} is a gain applied after the block scale is "
-            "chosen, which the quantize kernel does not implement yet"
-        )
     return None
 
 
@@ -70,6 +71,8 @@ def kernel_supports(spec_a: QuantSpec | None, spec_b: QuantSpec | None) -> tuple
     Returns ``(True, "")`` or ``(False, reason)``. Unsupported: per-tensor FP8
     (``granularity="tensor"``), 2-D ``block_shape`` tiles, a 1-D block other than the
     format's own, and two high-precision (None) operands (no quantized operand at all).
+    Supported with every rounding, scale mode, ``prescale`` gain, ``clip_rms`` and Hadamard
+    transform.
     """
     for spec, name in ((spec_a, "spec_a"), (spec_b, "spec_b")):
         reason = _spec_unsupported(spec, name)
@@ -82,11 +85,14 @@ def kernel_supports(spec_a: QuantSpec | None, spec_b: QuantSpec | None) -> tuple
 
 def _kernel_operand(x, spec: QuantSpec | None, axis: int, key, interpret: bool, hadamard,
                     signs):
-    """A QArray quantized along ``axis`` by the Pallas kernel, or ``x`` (None spec)."""
-    if hadamard is not None:
-        x = hadamard_along(x, axis, hadamard, signs)
+    """A QArray quantized along ``axis`` by the Pallas kernel (the Hadamard transform fused
+    where it can be), or ``x`` (None spec, transformed in XLA)."""
     if spec is None:
-        return x
+        return x if hadamard is None else hadamard_along(x, axis, hadamard, signs)
+    fused = hadamard is not None and spec.clip_rms is None
+    if hadamard is not None and not fused:
+        x = hadamard_along(x, axis, hadamard, signs)
+        hadamard = signs = None
     x = clip_to_rms(x, spec, axis)
     fmt = _formats.get(spec.format)
     return quantize_pallas(
@@ -96,8 +102,11 @@ def _kernel_operand(x, spec: QuantSpec | None, axis: int, key, interpret: bool, 
         rounding=spec.rounding,
         key=key if spec.stochastic else None,
         scale_mode=spec.scale_mode if fmt.is_mx else None,
-        config=_quantize_default(x.shape, fmt, axis),
+        config=_quantize_default(x.shape, fmt, axis, hadamard),
         interpret=interpret,
+        hadamard=hadamard,
+        signs=signs,
+        gain=spec.prescale,
     )
 
 
@@ -111,4 +120,8 @@ def quantized_gemm_pallas(a, b, key_a, key_b, *, spec_a, spec_b, hadamard=None, 
     config = _matmul_default(
         m, n, k, block_sizes=blocks, high_precision_f32=spec_a is None or spec_b is None
     )
-    return matmul_pallas(qa, qb, config=config, out_dtype=jnp.float32, interpret=interpret)
+    c = matmul_pallas(qa, qb, config=config, out_dtype=jnp.float32, interpret=interpret)
+    for spec in (spec_a, spec_b):  # the codes hold gained elements: undo each gain once
+        if spec is not None and spec.prescale != 1.0:
+            c = ungain(c, spec.prescale)
+    return c
