@@ -5,7 +5,7 @@
 4.25
 """
 
-from lowbit import formats, hadamard, native, numerics, recipes
+from lowbit import calibrate, formats, hadamard, native, numerics, recipes
 from lowbit.dot_general import dot_general, einsum
 from lowbit.formats import BlockFormat, ElementFormat, ScaleFormat
 from lowbit.qarray import QArray, dequantize, fake_quantize, quantize
@@ -23,6 +23,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'lowbit' has no attribute {name!r}")
 
 __all__ = [
+    "calibrate",
     "flax",
     "formats",
     "hadamard",

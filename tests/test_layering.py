@@ -2,7 +2,7 @@
 
 Layers, lowest first (a module may import its own layer and the layers below it):
 
-    formats -> numerics, hadamard -> native -> qarray -> recipes -> operand
+    formats -> numerics, hadamard -> native -> qarray -> recipes -> operand, calibrate
       -> pallas_kernels (the kernels and their references) -> dot_general -> flax
       -> experiments -> benchmarks
 
@@ -30,7 +30,7 @@ LAYERS = [
     ("lowbit.native",),
     ("lowbit.qarray",),
     ("lowbit.recipes",),
-    ("lowbit.operand",),
+    ("lowbit.operand", "lowbit.calibrate"),
     ("pallas_kernels",),
     ("lowbit.dot_general",),
     ("lowbit.flax",),
