@@ -24,6 +24,14 @@ resumed, under another implementation::
     python -m experiments.train --config configs/gpt.py:size=m,recipe=mxfp4 \
         --config.quant.implementation=pallas
 
+``init_from`` starts from another run's trained parameters ("" = the random init): a short QAT
+or FQT fine-tune of the float model that post-training quantization uses, e.g. after the float
+run ``runs/gpt-tiny/none-s0`` (same model section; only the parameters are read, from its
+latest checkpoint; optimizer, step and data order start fresh)::
+
+    python -m experiments.train --config configs/gpt.py:size=tiny,recipe=qat_mxfp4 \
+        --config.init_from=runs/gpt-tiny/none-s0
+
 The sizes are the MX whitepaper's and Quartet's GPT setting scaled to a 2-core CPU: the same
 architecture and recipes run unchanged on GPUs (``dtype='auto'`` computes in bfloat16 there and
 float32 on CPU, where the ``none`` recipe is then the float32 baseline). Only ``train.steps`` and
@@ -57,6 +65,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.name = f"gpt-{a.size}{'-moe' if a.mlp == 'moe' else ''}/{a.recipe}-s{a.seed}"
     c.workdir = "runs"
     c.seed = a.seed
+    # "" = the random init; or a run directory (runs/<name>/) whose latest checkpoint's
+    # parameters this run starts from (see the module docstring).
+    c.init_from = ""
 
     c.model = ml_collections.ConfigDict()
     c.model.vocab = 256

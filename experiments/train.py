@@ -4,8 +4,12 @@
     python -m experiments.train --config configs/gpt.py:size=xs,recipe=nvfp4 \
         --config.train.steps=1000 --config.mesh.fsdp=2
     python -m experiments.train --config configs/gpt.py:size=tiny,recipe=mxfp4 --resume
+    python -m experiments.train --config configs/gpt.py:size=tiny,recipe=qat_mxfp4 \
+        --config.init_from=runs/gpt-tiny/none-s0
 
 Writes ``runs/<config.name>/`` (config.json, metrics.jsonl, summary.json, checkpoints/).
+``--config.init_from=<run dir>`` starts from that run's trained parameters instead of the
+random init (the last line: a QAT fine-tune of the float run ``runs/gpt-tiny/none-s0``).
 Exit status 1 with a one-line reason for a bad config or data, an existing run without
 ``--resume``, or a diverged run (its last good checkpoint is kept).
 """

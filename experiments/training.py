@@ -12,6 +12,21 @@
     checkpoints/     orbax: the train state (parameters, optimizer, quantizer rng state,
                      step) and the data position, every checkpoint_every steps and at the end
 
+``init_from`` (a run directory; "" = the random init) starts a run from another run's trained
+parameters, e.g. a short QAT or FQT fine-tune from the float model that post-training
+quantization uses::
+
+    python -m experiments.train --config configs/gpt.py:size=tiny,recipe=qat_mxfp4 \
+        --config.init_from=runs/gpt-tiny/none-s0
+
+Only the parameters are read, from that run's latest checkpoint; the optimizer state, the
+quantizer rng state and the step start fresh (step 0), and the data order follows the new run's
+own seed. Everything else (recipe, lr, steps, ...) is the new config's: the model section must
+match the source's (``model.dtype``, the compute dtype, may differ: parameters are float32 in
+both), the quantization recipe may differ. ``init_from`` is recorded (as an absolute path) in
+config.json and is part of the config a ``--resume`` must match; a resumed run continues from its
+own checkpoint and does not read ``init_from`` again. The source run is only read.
+
 The model is :class:`experiments.model.GPT`; every linear layer not matched by
 ``quant.high_precision`` runs under ``quant.recipe`` through :func:`lowbit.flax.quantize`.
 The step is one ``jax.jit`` with ``NamedSharding``s on a ``Mesh(("data", "fsdp"))``: the batch
@@ -25,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import shutil
@@ -145,12 +161,15 @@ class RunConfig:
     mesh: MeshConfig = MeshConfig()
     seed: int = 0
     workdir: str = "runs"
+    # A run directory whose latest checkpoint's parameters this run starts from ("" = the
+    # random init); stored resolved to an absolute path. See the module docstring.
+    init_from: str = ""
 
     @classmethod
     def from_config(cls, c) -> RunConfig:
         """From a ConfigDict such as ``configs/gpt.py``'s (dtype ``auto`` resolved here)."""
         c = to_plain(c)
-        known = {"name", "model", "data", "train", "quant", "mesh", "seed", "workdir"}
+        known = {"name", "model", "data", "train", "quant", "mesh", "seed", "workdir", "init_from"}
         unknown = sorted(set(c) - known)
         if unknown:
             raise ConfigError(f"config: unknown key(s) {unknown}; expected {sorted(known)}")
@@ -166,10 +185,17 @@ class RunConfig:
             mesh=to_dataclass(MeshConfig, c.get("mesh"), "mesh"),
             seed=int(c.get("seed", 0)),
             workdir=str(c.get("workdir", "runs")),
+            init_from=c.get("init_from") or "",
         )
 
     def __post_init__(self):
         _check_hadamard_fits(self.model, self.quant)
+        if not isinstance(self.init_from, str | os.PathLike):
+            raise ConfigError(
+                f'config.init_from: expected a run directory (a path) or "", got {self.init_from!r}'
+            )
+        if self.init_from:  # resolved once, so config.json and --resume compare one path
+            object.__setattr__(self, "init_from", str(Path(self.init_from).expanduser().resolve()))
 
     @property
     def run_dir(self) -> Path:
@@ -201,6 +227,11 @@ def _check_hadamard_fits(m: GPTConfig, q: QuantConfig) -> None:
 
 # Fields that may differ between a run and its resumption (they do not change the numbers).
 _RESUMABLE = {("train", "stop_at"), ("train", "progress"), ("train", "keep_checkpoints")}
+# Fields added after runs were written with no value for them, and the value those runs had in
+# effect (config_diff reads a missing key as this instead of None).
+_ADDED = {("init_from",): ""}
+# Model fields an init_from run may change: they do not change the parameters.
+_INIT_FROM_FREE = {"dtype"}
 
 
 class TrainingDiverged(RuntimeError):
@@ -330,9 +361,10 @@ class _Trainer:
         self.tx = _optimizer(cfg.train)
         self.schedule = _schedule(cfg.train)
 
-        def init():
+        def init(params=None):
             model = build_model(cfg)
-            _, params, rest = nnx.split(model, nnx.Param, ...)
+            _, own, rest = nnx.split(model, nnx.Param, ...)
+            params = own if params is None else params  # (the unused random init is dropped)
             return {
                 "step": jnp.zeros((), jnp.int32),
                 "params": params,
@@ -344,6 +376,11 @@ class _Trainer:
         self.abstract = jax.eval_shape(init)
         self.state_sharding = _shardings(self.abstract, mesh)
         self._init = jax.jit(init, out_shardings=self.state_sharding)
+        self._init_with = jax.jit(
+            init,
+            in_shardings=(self.state_sharding["params"],),
+            out_shardings=self.state_sharding,
+        )
         self.batch_sharding = NamedSharding(mesh, P(AXES, None))
         graphdef = self.graphdef
 
@@ -386,8 +423,10 @@ class _Trainer:
         )
         self.eval = jax.jit(eval_fn, in_shardings=(self.state_sharding, self.batch_sharding))
 
-    def init_state(self):
-        return self._init()
+    def init_state(self, params=None):
+        """A fresh train state (step 0, a fresh optimizer and quantizer rng state), with the
+        random init's parameters or ``params`` (a tree like ``abstract["params"]``)."""
+        return self._init() if params is None else self._init_with(params)
 
     def put_batch(self, batch: dict[str, np.ndarray]):
         """The global batch (every process draws the same one) as a sharded array: each
@@ -403,14 +442,34 @@ class _Trainer:
 
 
 def _ckpt_manager(cfg: RunConfig):
+    """The run's own checkpoints (created on first use; the oldest deleted past
+    ``train.keep_checkpoints``)."""
+    return _checkpoints(cfg.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
+
+
+def _checkpoints(directory: Path, *, keep: int | None = None, read_only: bool = False):
+    """An orbax manager of a run's ``checkpoints/`` directory; ``read_only``: one that never
+    creates, writes or deletes anything there (another run's checkpoints, for init_from)."""
     import orbax.checkpoint as ocp
 
+    directory = Path(directory).absolute()
+    if read_only:  # the handlers named: a manager that has not saved can read the metadata
+        options = ocp.CheckpointManagerOptions(
+            read_only=True, create=False, save_interval_steps=0, enable_async_checkpointing=False
+        )
+        handlers = {"state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()}
+        # orbax warns that the directory is read only: what was asked; not shown.
+        notice = lambda record: "directory is read only" not in record.getMessage()
+        absl_log = logging.getLogger("absl")
+        absl_log.addFilter(notice)
+        try:
+            return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+        finally:
+            absl_log.removeFilter(notice)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.train.keep_checkpoints, enable_async_checkpointing=False, create=True
+        max_to_keep=keep, enable_async_checkpointing=False, create=True
     )
-    return ocp.CheckpointManager(
-        (cfg.run_dir / "checkpoints").absolute(), options=options, item_names=("state", "data")
-    )
+    return ocp.CheckpointManager(directory, options=options, item_names=("state", "data"))
 
 
 def _save(mngr, step: int, state, batches: data_lib.Batches, fingerprint: str) -> None:
@@ -427,7 +486,14 @@ def _save(mngr, step: int, state, batches: data_lib.Batches, fingerprint: str) -
     mngr.wait_until_finished()
 
 
-def _restore(mngr, trainer: _Trainer, step: int):
+def _restore(mngr, trainer: _Trainer, step: int, *, params_only: bool = False):
+    """Checkpoint ``step`` onto ``trainer``'s state shardings: ``(train state, data state)``.
+
+    ``params_only``: ``(parameters, None)``, read alone from the saved train state (its
+    optimizer, quantizer rng state and step, and the data position, are not read: a checkpoint
+    of another recipe or optimizer serves), after checking that the saved parameter tree has
+    this model's paths, shapes and dtypes (a mismatch names the first parameter that differs).
+    """
     import orbax.checkpoint as ocp
 
     target = jax.tree.map(
@@ -435,28 +501,131 @@ def _restore(mngr, trainer: _Trainer, step: int):
         _unkey_abstract(trainer.abstract),
         trainer.state_sharding,
     )
-    try:
-        got = mngr.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
-            ),
+    if params_only:
+        target = {"params": target["params"]}
+        args = ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(
+                target,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True,
+            )
         )
+    else:
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
+        )
+    try:
+        if params_only:
+            _check_saved_params(mngr, step, target["params"])
+        got = mngr.restore(step, args=args)
+    except ConfigError:
+        raise
     except Exception as e:  # orbax / tensorstore errors vary: name the checkpoint
         raise ConfigError(
             f"cannot restore checkpoint step {step} in {mngr.directory}: {type(e).__name__}: {e}"
         ) from e
+    if params_only:
+        return got["state"]["params"], None
     return _rekey(got["state"], trainer.abstract), dict(got["data"])
+
+
+def _flat_paths(tree) -> dict[str, tuple]:
+    """``{"blocks/0/attn/qkv/kernel": (shape, dtype)}`` for the arrays of a (metadata) tree."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    out = {}
+    for keypath, leaf in flat:
+        names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in keypath]
+        if names and names[-1] == "value":  # an nnx.Variable's array
+            names.pop()
+        out["/".join(names)] = (tuple(leaf.shape), np.dtype(leaf.dtype).name)
+    return out
+
+
+def _check_saved_params(mngr, step: int, target) -> None:
+    """ConfigError naming the first parameter whose path, shape or dtype differs between
+    checkpoint ``step`` and ``target``."""
+    meta = mngr.item_metadata(step)["state"]
+    saved = _flat_paths(meta.tree["params"] if hasattr(meta, "tree") else meta["params"])
+    want = _flat_paths(target)
+    for path, (shape, dtype) in want.items():
+        if path not in saved:
+            raise ConfigError(
+                f"parameter {path!r} (shape {shape}) is missing from checkpoint step {step} in "
+                f"{mngr.directory}"
+            )
+        if saved[path] != (shape, dtype):
+            raise ConfigError(
+                f"parameter {path!r} is {saved[path][1]}{list(saved[path][0])} in checkpoint "
+                f"step {step} in {mngr.directory}; this model's is {dtype}{list(shape)}"
+            )
+    extra = sorted(set(saved) - set(want))
+    if extra:
+        raise ConfigError(
+            f"parameter {extra[0]!r} of checkpoint step {step} in {mngr.directory} is not in "
+            f"this model ({len(extra)} such)"
+        )
+
+
+def _check_init_from(cfg: RunConfig) -> tuple[Path, int]:
+    """The checkpoint directory of the run ``cfg.init_from`` names and its latest step, after
+    checking that it is a run directory with a checkpoint and the model of ``cfg`` (read only).
+    Raises ConfigError naming ``init_from`` and what was expected."""
+    src = Path(cfg.init_from)
+    expected = "expected a run directory written by experiments.train (config.json, checkpoints/)"
+    if not src.exists():
+        raise ConfigError(f"init_from={str(src)!r} does not exist; {expected}")
+    if not (src / "config.json").is_file():
+        raise ConfigError(
+            f"init_from={str(src)!r} is not a run directory (no config.json); {expected}"
+        )
+    if src == cfg.run_dir.resolve():
+        raise ConfigError(
+            f"init_from={str(src)!r} is this run's own directory; pass --resume to continue it, or "
+            "name another run"
+        )
+    try:
+        saved = json.loads((src / "config.json").read_text())
+        saved_model = dict(saved["model"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"init_from={str(src)!r}: cannot read the model section of its config.json "
+            f"({type(e).__name__}: {e}); {expected}"
+        ) from None
+    model = cfg.to_json()["model"]
+    for k in _INIT_FROM_FREE:
+        saved_model.pop(k, None)
+        model.pop(k, None)
+    diff = config_diff({"model": saved_model}, {"model": model})
+    if diff:
+        raise ConfigError(
+            f"init_from={str(src)!r}: the source run's model differs from this config's "
+            f"(source -> this run): {', '.join(diff)}; expected the same architecture (only "
+            "the quantization recipe, the training settings and model.dtype may change)"
+        )
+    ckpt_dir = src / "checkpoints"
+    step = None
+    if ckpt_dir.is_dir():
+        mngr = _checkpoints(ckpt_dir, read_only=True)
+        step = mngr.latest_step()
+        mngr.close()
+    if step is None:
+        raise ConfigError(
+            f"init_from={str(src)!r} has no checkpoint (nothing saved under {ckpt_dir}); "
+            "expected a run that wrote one (runs save at the end and every "
+            "train.checkpoint_every steps)"
+        )
+    return ckpt_dir, int(step)
 
 
 def config_diff(saved: dict, now: dict, prefix=()) -> list[str]:
     """The fields that differ between two ``RunConfig.to_json()`` dicts, as ``"a.b: x -> y"``,
     leaving out those a run may change when resumed (the name, the workdir, ``_RESUMABLE``).
-    A key missing on one side reads as None (a field added since the run was written)."""
+    A key missing on one side reads as None (a field added since the run was written), or as
+    the value older runs had in effect for the fields ``_ADDED`` lists."""
     out = []
     for k in sorted(set(saved) | set(now)):
         key = (*prefix, k)
-        a, b = saved.get(k), now.get(k)
+        a, b = saved.get(k, _ADDED.get(key)), now.get(k, _ADDED.get(key))
         if isinstance(a, dict) and isinstance(b, dict):
             out += config_diff(a, b, key)
         elif a != b and key not in _RESUMABLE and key != ("name",) and key != ("workdir",):
@@ -498,10 +667,13 @@ def train(
     log: Callable[[str], None] = print,
 ) -> RunResult:
     """Train ``cfg`` (see the module docstring); ``resume`` continues from the last checkpoint.
+    A run that starts afresh with ``cfg.init_from`` set takes its parameters from that run's
+    latest checkpoint (checked before anything is written).
 
     Raises :class:`TrainingDiverged` on a non-finite loss (naming the step and the last good
     checkpoint), :class:`RunExists` when the run directory holds checkpoints and ``resume`` is
-    False, :class:`experiments.data.DataError` for bad data, ConfigError for a bad config.
+    False, :class:`experiments.data.DataError` for bad data, ConfigError for a bad config (an
+    ``init_from`` that is not a run with a checkpoint of the same model included).
     """
     t = cfg.train
     run_dir = cfg.run_dir
@@ -517,6 +689,8 @@ def train(
         diff = config_diff(saved, cfg.to_json())
         if diff:
             raise ConfigError(f"--resume with a config that differs from {run_dir}: {diff}")
+    # A resumed run continues from its own checkpoint: init_from is read only by a fresh start.
+    source = _check_init_from(cfg) if cfg.init_from and not (resume and has_ckpt) else None
 
     dataset = data_lib.load(cfg.data, log=log)
     mesh = make_mesh(cfg.mesh, devices)
@@ -527,6 +701,16 @@ def train(
             "of the mesh"
         )
     trainer = _Trainer(cfg, mesh)
+    init_params = None
+    if source is not None:  # read before this run writes anything
+        src_dir, src_step = source
+        src_mngr = _checkpoints(src_dir, read_only=True)
+        try:
+            init_params, _ = _restore(src_mngr, trainer, src_step, params_only=True)
+        except ConfigError as e:
+            raise ConfigError(f"init_from={cfg.init_from!r}: {e}") from e
+        finally:
+            src_mngr.close()
     mngr = _ckpt_manager(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
@@ -554,7 +738,9 @@ def train(
     else:
         if metrics_path.exists():
             metrics_path.unlink()
-        state = trainer.init_state()
+        state = trainer.init_state(init_params)
+        if init_params is not None:
+            log(f"{cfg.name}: parameters from {cfg.init_from} (checkpoint step {src_step})")
         batches = data_lib.Batches(
             dataset.train, batch_size=t.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed
         )
@@ -651,6 +837,7 @@ def train(
         "name": cfg.name,
         "recipe": cfg.quant.recipe,
         "seed": cfg.seed,
+        "init_from": cfg.init_from or None,
         "step": stop,
         "steps": t.steps,
         "tokens": stop * tokens_per_step,
