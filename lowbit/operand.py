@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit import formats as _formats
 from lowbit import hadamard as _hadamard
 from lowbit import qarray as _qa
 from lowbit.formats import E4M3, E5M2
@@ -36,6 +37,7 @@ __all__ = [
     "fold_key",
     "barrier",
     "clip_to_rms",
+    "apply_static_amax",
 ]
 
 _TENSOR_ELEMS = {"e4m3": E4M3, "e5m2": E5M2}
@@ -88,7 +90,7 @@ def _tensor_quantize(x, spec: QuantSpec, key):
     amax``, elements ``round(clip(x * s))``, values ``elements * (1 / s)``. Returns the
     elements and the dequantization factor ``1 / s`` (float32 scalar)."""
     elem = _TENSOR_ELEMS[spec.format]
-    amax = jnp.max(jnp.abs(x))
+    amax = jnp.max(jnp.abs(x)) if spec.amax is None else jnp.float32(spec.amax)
     s = jnp.where(amax > 0, np.float32(elem.max) / amax, np.float32(1.0))
     v = x * s
     if spec.prescale != 1.0:
@@ -96,6 +98,18 @@ def _tensor_quantize(x, spec: QuantSpec, key):
     v = jnp.clip(v, -elem.max, elem.max)
     rbits = uniform_bits(key, x.shape) if spec.stochastic else None
     return round_to_grid(v, elem, rbits=rbits), np.float32(1.0) / s
+
+
+def apply_static_amax(x, spec: QuantSpec):
+    """A block spec's static amax (``QuantSpec.amax``): ``(x, tensor_amax)`` for the
+    quantizer. NVFP4 takes it as its tensor amax (``x`` unchanged); an MX format clips ``x`` to
+    ``+-amax`` (tensor_amax None). Per-tensor specs and specs without one: ``(x, None)``."""
+    if spec.amax is None or spec.granularity != "block":
+        return x, None
+    a = np.float32(spec.amax)
+    if _formats.get(spec.format).tensor_scale:
+        return x, a
+    return jnp.clip(x, -a, a), None
 
 
 def clip_to_rms(x, spec: QuantSpec, axis: int):
@@ -139,10 +153,11 @@ def quantize_operand(
         )
     two_d = spec.block_shape is not None and len(spec.block_shape) == 2
     fuse = (hadamard is not None and spec.clip_rms is None and spec.granularity == "block"
-            and not two_d and not packed)
+            and not two_d and not packed and spec.amax is None)
     if hadamard is not None and not fuse:
         x = hadamard_along(x, axis, hadamard, signs)
     x = clip_to_rms(x, spec, axis)
+    x, tensor_amax = apply_static_amax(x, spec)
     rounding_key = key if spec.stochastic else None
     if spec.granularity == "tensor":
         v, scale = _tensor_quantize(x, spec, rounding_key)
@@ -158,14 +173,14 @@ def quantize_operand(
     else:
         axes = axis
     plan = _qa.make_plan(x.shape, spec.format, axes, spec.block_shape, spec.scale_mode,
-                         spec.rounding, rounding_key, None, gain=spec.prescale)
+                         spec.rounding, rounding_key, tensor_amax, gain=spec.prescale)
     if packed:
-        return _qa.quantize_with_plan(x, plan, rounding_key, None)
+        return _qa.quantize_with_plan(x, plan, rounding_key, tensor_amax)
     if fuse:
         _check_hadamard_length(x, axis, hadamard)
-        return _qa.fake_quantize_with_plan(x, rounding_key, None, plan, hadamard=hadamard,
+        return _qa.fake_quantize_with_plan(x, rounding_key, tensor_amax, plan, hadamard=hadamard,
                                            signs=signs, native=native)[0]
-    return _qa.fake_quantize_with_plan(x, rounding_key, None, plan, native=native)[0]
+    return _qa.fake_quantize_with_plan(x, rounding_key, tensor_amax, plan, native=native)[0]
 
 
 def unpack_operand(packed, spec: QuantSpec | None) -> jax.Array:

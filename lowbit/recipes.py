@@ -57,6 +57,11 @@ class QuantSpec:
         scaled element of an MX block is below 8, and 8 * 3/4 = 6; Tseng et al. 2025).
       clip_rms: clip to +-clip_rms * RMS (over the contraction axis) before quantizing
         (QuEST / Quartet forward); None: no clipping.
+      amax: a static (calibrated, :mod:`lowbit.ptq`) absolute max of the operand, or None
+        (dynamic: each call's own). NVFP4 takes it as its ``tensor_amax`` (the E4M3 block
+        scales stay dynamic, blocks above it saturate); per-tensor FP8 scales by
+        ``elem_max / amax`` (values beyond it saturate); an MX format clips the operand to
+        ``+-amax`` before its (dynamic, by definition) block scales.
     """
 
     format: str
@@ -66,6 +71,7 @@ class QuantSpec:
     granularity: str = "block"
     prescale: float = 1.0
     clip_rms: float | None = None
+    amax: float | None = None
 
     def __post_init__(self):
         if self.granularity == "tensor":
@@ -85,6 +91,11 @@ class QuantSpec:
             object.__setattr__(self, "block_shape", tuple(int(b) for b in self.block_shape))
         if not self.prescale > 0:
             raise ValueError(f"prescale must be positive, got {self.prescale}")
+        if self.amax is not None:
+            a = float(self.amax)
+            if not (a > 0 and a < float("inf")):
+                raise ValueError(f"amax must be a finite positive number or None, got {self.amax}")
+            object.__setattr__(self, "amax", a)
 
     @property
     def stochastic(self) -> bool:
@@ -315,5 +326,17 @@ for _name in _formats.names() + list(_formats.ALIASES):
             "forward, straight-through gradients in high precision.",
             source="straight-through estimator (Bengio et al. 2013); formats per OCP MX v1.0 "
             "and NVIDIA NVFP4",
+        )
+    )
+
+for _name in ("mxfp4", "nvfp4"):
+    register(
+        Recipe(
+            f"w4a16_{_name}",
+            fwd=GemmSpec(None, QuantSpec(_name)),
+            description=f"Weight-only: {_name} weights (1-D blocks along the contraction axis), "
+            "activations and the backward in high precision (straight-through).",
+            source="weight-only 4-bit serving (W4A16) as in AWQ (Lin et al. 2024, "
+            "arXiv:2306.00978) and SVDQuant's W4A16 baselines, in block-scaled FP4",
         )
     )

@@ -50,8 +50,7 @@ def recipe_pairs() -> list[tuple[QuantSpec | None, QuantSpec | None]]:
 
 SR4 = QuantSpec("mxfp4", rounding="stochastic")
 SR4P = QuantSpec("mxfp4", rounding="stochastic", prescale=0.75)
-EXTRA_PAIRS = [  # high-precision (weight-only) operands: no recipe holds one alone
-    (None, QuantSpec("mxfp4")),
+EXTRA_PAIRS = [  # high-precision operands that no recipe holds alone (w4a16_* hold two more)
     (QuantSpec("mxfp8_e4m3"), None),
     (None, QuantSpec("nvfp4", rounding="stochastic")),
     (None, SR4),

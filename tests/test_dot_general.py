@@ -52,7 +52,9 @@ from lowbit.operand import quantize_operand
 from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 
 U32 = 2.0**-24  # float32 unit roundoff
-ALL = recipes.names()
+# The weight-only recipes share one GEMM path: one of them stands for both (each recipe here
+# costs ~13 s of suite time).
+ALL = [n for n in recipes.names() if not n.startswith("w4a16_")] + ["w4a16_nvfp4"]
 QAT = [n for n in ALL if n.startswith("qat_")]
 KEY = jax.random.key(1234)
 HIGHEST = lax.Precision.HIGHEST

@@ -3,7 +3,7 @@
 Layers, lowest first (a module may import its own layer and the layers below it):
 
     formats -> numerics, hadamard -> native -> qarray -> recipes -> operand, calibrate
-      -> pallas_kernels (the kernels and their references) -> dot_general -> flax
+      -> pallas_kernels (the kernels and their references) -> dot_general -> flax -> ptq
       -> experiments -> benchmarks
 
 ``lowbit`` reaches ``pallas_kernels`` only through the lazy implementation table in
@@ -34,6 +34,7 @@ LAYERS = [
     ("pallas_kernels",),
     ("lowbit.dot_general",),
     ("lowbit.flax",),
+    ("lowbit.ptq",),
     ("experiments",),
     ("benchmarks",),
 ]

@@ -37,7 +37,22 @@ from __future__ import annotations
 
 from lowbit.dot_general import IMPLEMENTATIONS, check_implementation
 from lowbit.flax import checkpoint, linen, nnx
-from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Layout, Rule, Rules, Site, framework
+from lowbit.flax._core import (
+    ATTN_SCORES,
+    ATTN_VALUES,
+    Layout,
+    Rule,
+    Rules,
+    Site,
+    framework,
+    is_qarray,
+    keypath_str,
+    observing,
+    pack_weight,
+    path_str,
+    serving_recipe,
+    weight_spec,
+)
 from lowbit.flax.checkpoint import CheckpointError, restore, save
 from lowbit.flax.packing import Row, describe, pack, packed_nbytes, sites, unpack
 
@@ -59,6 +74,14 @@ __all__ = [
     "ATTN_SCORES",
     "ATTN_VALUES",
     "IMPLEMENTATIONS",
+    "framework",
+    "observing",
+    "weight_spec",
+    "serving_recipe",
+    "pack_weight",
+    "path_str",
+    "keypath_str",
+    "is_qarray",
     "linen",
     "nnx",
     "checkpoint",

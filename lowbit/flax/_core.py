@@ -9,6 +9,8 @@ activation einsums of an attention module, which are named by the attention modu
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import re
@@ -177,6 +179,64 @@ def _hp_dot(lhs, rhs, dn, out_dtype):
     return y.astype(out_dtype)
 
 
+# --------------------------------------------------------------------------------------------
+# Observation (calibration hooks) and post-training site state
+
+# A callable ``observer(site, lhs, contracting_axes)`` that the ops call with the activation
+# operand of every site they run under a path (see :func:`observing`); None: not observing.
+_OBSERVER: contextvars.ContextVar = contextvars.ContextVar("lowbit_observer", default=None)
+
+
+@contextlib.contextmanager
+def observing(observer):
+    """Within this context every lowbit Flax op that knows its site path (``site=``) calls
+    ``observer(site, lhs, contracting_axes)`` with its activation operand as the GEMM sees
+    it (after a smoothing division), while tracing. ``lowbit.ptq.calibrate`` gathers
+    statistics this way: from the model's own ops, not from a second model."""
+    token = _OBSERVER.set(observer)
+    try:
+        yield
+    finally:
+        _OBSERVER.reset(token)
+
+
+def _observe(site, lhs, axes) -> None:
+    obs = _OBSERVER.get()
+    if obs is not None and site is not None:
+        obs(site, lhs, tuple(int(a) % lhs.ndim for a in axes))
+
+
+def check_dense(dimension_numbers, lhs_ndim: int, rhs_ndim: int, where: str) -> None:
+    """Smoothing and low-rank branches apply to dense sites: ``x [..., K] @ w [K, N]``."""
+    (lc, rc), (lb_, rb) = dimension_numbers
+    ok = (
+        rhs_ndim == 2
+        and tuple(int(a) % lhs_ndim for a in lc) == (lhs_ndim - 1,)
+        and tuple(int(a) % rhs_ndim for a in rc) == (0,)
+        and not tuple(lb_)
+        and not tuple(rb)
+    )
+    if not ok:
+        raise ValueError(
+            f"{where}: a smoothing vector or low-rank branch needs a dense GEMM x[..., K] @ "
+            f"w[K, N] (Linear / Dense), got dimension numbers {dimension_numbers} with a "
+            f"rank-{rhs_ndim} weight"
+        )
+
+
+def smooth_lhs(lhs, smooth):
+    """``lhs / smooth`` along its last axis (float32 division, back in ``lhs``'s dtype)."""
+    s = jnp.asarray(smooth, jnp.float32).reshape((1,) * (lhs.ndim - 1) + (-1,))
+    return (lhs.astype(jnp.float32) / s).astype(lhs.dtype)
+
+
+def lowrank_branch(lhs, a, b, out_dtype):
+    """The high-precision low-rank branch ``(x @ a) @ b`` (float32, HIGHEST precision)."""
+    hi = lax.Precision.HIGHEST
+    t = jnp.matmul(lhs.astype(jnp.float32), jnp.asarray(a, jnp.float32), precision=hi)
+    return jnp.matmul(t, jnp.asarray(b, jnp.float32), precision=hi).astype(out_dtype)
+
+
 def qdot_general(
     lhs,
     rhs,
@@ -187,9 +247,34 @@ def qdot_general(
     preferred_element_type=None,
     out_sharding=None,
     implementation: str | None = None,
+    *,
+    site: str | None = None,
+    smooth=None,
+    lowrank=None,
 ):
     """:func:`lowbit.dot_general` with Flax's keyword arguments (``out_sharding``) and the
-    ``implementation`` of its GEMMs."""
+    ``implementation`` of its GEMMs.
+
+    Post-training state of a dense site (``lowbit.ptq``): ``smooth``, a ``[K]`` vector the
+    activation is divided by first (SmoothQuant; the weight holds ``diag(smooth) @ W``), and
+    ``lowrank = (a [K, r], b [r, N])``, a high-precision branch ``(x / smooth) @ a @ b`` added
+    to the output (SVDQuant). ``site``: the site's path, for :func:`observing`."""
+    if smooth is not None or lowrank is not None:
+        check_dense(dimension_numbers, lhs.ndim, rhs.ndim, f"site {site!r}")
+    if smooth is not None:
+        lhs = smooth_lhs(lhs, smooth)
+    _observe(site, lhs, dimension_numbers[0][0])
+    y = _qdot_general(lhs, rhs, dimension_numbers, recipe, key, precision,
+                      preferred_element_type, implementation)
+    if lowrank is not None:
+        y = y + lowrank_branch(lhs, lowrank[0], lowrank[1], y.dtype)
+    if out_sharding is not None:
+        y = jax.lax.with_sharding_constraint(y, out_sharding)
+    return y
+
+
+def _qdot_general(lhs, rhs, dimension_numbers, recipe, key, precision, preferred_element_type,
+                  implementation):
     if recipe.name.endswith(SERVING_SUFFIX) and recipe.is_identity:
         # A pre-quantized weight and a float activation: the GEMM lowbit would run.
         out = jnp.dtype(
@@ -211,8 +296,6 @@ def qdot_general(
             precision=precision,
             implementation=implementation,
         )
-    if out_sharding is not None:
-        y = jax.lax.with_sharding_constraint(y, out_sharding)
     return y
 
 
@@ -258,11 +341,17 @@ def qeinsum(
     preferred_element_type=None,
     out_sharding=None,
     implementation: str | None = None,
+    *,
+    site: str | None = None,
     **unused,
 ):
-    """:func:`lowbit.einsum` for Flax call sites (``...`` allowed, Flax's keyword arguments)."""
+    """:func:`lowbit.einsum` for Flax call sites (``...`` allowed, Flax's keyword arguments).
+    ``site``: the site's path, for :func:`observing` (its ``lhs`` is the activation)."""
     del precision, unused  # quantized GEMMs accumulate in float32
     eq = expand_ellipsis(subscripts, lhs.ndim, rhs.ndim)
+    if _OBSERVER.get() is not None and site is not None:
+        a, b = eq.split("->")[0].split(",")
+        _observe(site, lhs, [i for i, c in enumerate(a) if c in b and c not in eq.split("->")[1]])
     y = lb.einsum(
         eq,
         lhs,

@@ -84,8 +84,10 @@ class DotGeneral:
     """
 
     recipe: Recipe | str
-    site: str | None = None  # the site's path, for the layout recorder
+    site: str | None = None  # the site's path, for the layout recorder and calibration hooks
     implementation: str | None = None  # passed on to lowbit.dot_general
+    smooth: Any = None  # post-training state of a dense site (lowbit.ptq): see _core
+    lowrank: Any = None
 
     def __post_init__(self):
         object.__setattr__(self, "recipe", _recipes.get(self.recipe))
@@ -113,6 +115,9 @@ class DotGeneral:
             preferred_element_type=preferred_element_type,
             out_sharding=out_sharding,
             implementation=self.implementation,
+            site=self.site,
+            smooth=self.smooth,
+            lowrank=self.lowrank,
         )
 
 
@@ -154,6 +159,7 @@ class Einsum:
             precision=precision,
             preferred_element_type=preferred_element_type,
             implementation=self.implementation,
+            site=self.site,
             **kwargs,
         )
 
@@ -210,17 +216,37 @@ def _einsum_call(m: nn.Einsum, op, inputs, einsum_str=None):
     return y
 
 
+# Post-training state of a dense site (lowbit.ptq) in a Linen params tree: leaves next to the
+# site's ``kernel`` that the interceptor hands to the site's op.
+SMOOTH_PARAM = "lowbit_smooth"
+LOWRANK_PARAMS = ("lowbit_lowrank_a", "lowbit_lowrank_b")
+
+
+def _site_state(m: nn.Module) -> dict[str, Any]:
+    """``smooth`` / ``lowrank`` of a site from its module's params (empty when absent)."""
+    out: dict[str, Any] = {}
+    if m.has_variable("params", SMOOTH_PARAM):
+        out["smooth"] = m.get_variable("params", SMOOTH_PARAM)
+    if m.has_variable("params", LOWRANK_PARAMS[0]):
+        out["lowrank"] = tuple(m.get_variable("params", n) for n in LOWRANK_PARAMS)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class _Interceptor:
     rules: Rules
     packed: bool
     root: tuple[str, ...] = ()
     implementation: str | None = None
+    observe: bool = False  # calibration: the rules' sites compute in float and are observed
 
     def recipe(self, path: str, weight: bool = True) -> Recipe | None:
         """The recipe a site runs: the rule's, or with ``packed`` for a weight site, its
-        serving form (the weight enters pre-quantized). None: leave the module alone."""
+        serving form (the weight enters pre-quantized). None: leave the module alone.
+        Observing: the identity recipe for every site a rule quantizes."""
         r = self.rules.active(path)
+        if r is not None and self.observe:
+            return _recipes.get("none")
         if r is None or not (self.packed and weight):
             return r
         _core.weight_spec(r, path)
@@ -251,7 +277,7 @@ class _Interceptor:
             r = self.recipe(path)
             if r is None:
                 return next_fun(*args, **kwargs)
-            op = DotGeneral(r, site=path, implementation=self.implementation)
+            op = DotGeneral(r, site=path, implementation=self.implementation, **_site_state(m))
             values: dict[str, Any] = {"dot_general": op}
             if "dot_general_cls" in fields:
                 values["dot_general_cls"] = None
@@ -331,6 +357,7 @@ class Quantized(nn.Module):
     packed: bool = False
     method: str = "__call__"
     implementation: str | None = None
+    observe: bool = False  # lowbit.ptq.calibrate: float GEMMs whose activations are observed
 
     def __post_init__(self):
         check_implementation(self.implementation)
@@ -340,7 +367,9 @@ class Quantized(nn.Module):
         nn.share_scope(self, self.module)
 
     def __call__(self, *args, **kwargs):
-        interceptor = _Interceptor(self.rules, self.packed, tuple(self.path), self.implementation)
+        interceptor = _Interceptor(
+            self.rules, self.packed, tuple(self.path), self.implementation, self.observe
+        )
 
         def run(mdl, *args, **kwargs):
             return getattr(mdl.module, mdl.method)(*args, **kwargs)

@@ -65,6 +65,12 @@ class DotGeneral(nnx.Module):
     >>> layer = nnx.Linear(32, 8, dot_general=lbf.nnx.DotGeneral("mxfp4"), rngs=nnx.Rngs(0))
     >>> nnx.jit(layer)(jnp.ones((4, 32))).shape
     (4, 8)
+
+    ``site``: the site's path (set by :func:`quantize`; calibration hooks report it).
+    ``smooth`` (``[K]``) and ``lowrank`` (``(a [K, r], b [r, N])``): the post-training state
+    of a dense site (:mod:`lowbit.ptq`), held as ``nnx.Param`` s ``smooth``, ``lowrank_a``,
+    ``lowrank_b`` (so they are packed, saved and restored with the weights): the activation
+    is divided by ``smooth`` and ``(x / smooth) @ a @ b`` added to the output.
     """
 
     def __init__(
@@ -73,10 +79,20 @@ class DotGeneral(nnx.Module):
         *,
         rngs: nnx.Rngs | None = None,
         implementation: str | None = None,
+        site: str | None = None,
+        smooth=None,
+        lowrank=None,
     ):
         self.recipe = _recipes.get(recipe)
         self.implementation = check_implementation(implementation)
+        self.site = site
         self.stream = nnx.data(_stream(rngs, (self.recipe,), f"DotGeneral({self.recipe.name!r})"))
+        self.smooth = nnx.Param(jnp.asarray(smooth, jnp.float32)) if smooth is not None else None
+        if lowrank is not None:
+            a, b = lowrank
+            self.lowrank_a, self.lowrank_b = nnx.Param(jnp.asarray(a)), nnx.Param(jnp.asarray(b))
+        else:
+            self.lowrank_a = self.lowrank_b = None
 
     def __call__(
         self,
@@ -87,6 +103,9 @@ class DotGeneral(nnx.Module):
         preferred_element_type=None,
         out_sharding=None,
     ):
+        lowrank = None
+        if self.lowrank_a is not None:
+            lowrank = (self.lowrank_a.get_value(), self.lowrank_b.get_value())
         return _core.qdot_general(
             lhs,
             rhs,
@@ -97,6 +116,9 @@ class DotGeneral(nnx.Module):
             preferred_element_type=preferred_element_type,
             out_sharding=out_sharding,
             implementation=self.implementation,
+            site=self.site,
+            smooth=self.smooth.get_value() if self.smooth is not None else None,
+            lowrank=lowrank,
         )
 
 
@@ -117,9 +139,11 @@ class Einsum(nnx.Module):
         *,
         rngs: nnx.Rngs | None = None,
         implementation: str | None = None,
+        site: str | None = None,
     ):
         self.recipe = _recipes.get(recipe)
         self.implementation = check_implementation(implementation)
+        self.site = site
         self.stream = nnx.data(_stream(rngs, (self.recipe,), f"Einsum({self.recipe.name!r})"))
 
     def __call__(
@@ -134,6 +158,7 @@ class Einsum(nnx.Module):
             preferred_element_type=preferred_element_type,
             out_sharding=out_sharding,
             implementation=self.implementation,
+            site=self.site,
         )
 
 
@@ -311,9 +336,10 @@ def quantize(
                 r = s
             rs_ = _rngs_for(rngs, r, where)
             if hasattr(m, "einsum_op"):
-                plan.append((m, "einsum_op", Einsum(r, rngs=rs_, implementation=impl)))
+                plan.append((m, "einsum_op", Einsum(r, rngs=rs_, implementation=impl, site=p)))
             else:
-                plan.append((m, "dot_general", DotGeneral(r, rngs=rs_, implementation=impl)))
+                op = DotGeneral(r, rngs=rs_, implementation=impl, site=p)
+                plan.append((m, "dot_general", op))
                 if getattr(m, "dot_general_cls", None) is not None:
                     plan.append((m, "dot_general_cls", None))
         elif hasattr(m, "attention_fn"):
@@ -348,7 +374,9 @@ class PackedModel(nnx.Module):
     recipes) with the float weights that were packed.
 
     ``model`` gives the structure (its float weights are dropped); ``packed`` is the output of
-    :func:`lowbit.flax.pack` (default: pack ``model``'s own weights). ``method``: the method of
+    :func:`lowbit.flax.pack` (default: pack ``model``'s own weights). With ``rules=None``,
+    ``model`` is already the serving structure (its sites hold serving ops, as
+    :func:`lowbit.ptq.quantize` builds it) and ``packed`` its parameters. ``method``: the method of
     the model that ``__call__`` runs. ``implementation``: what the serving GEMMs run (as for
     :func:`lowbit.flax.quantize`).
 
@@ -375,11 +403,16 @@ class PackedModel(nnx.Module):
     ):
         from lowbit.flax.packing import pack
 
-        rules = Rules.of(rules)
         check_implementation(implementation)
-        if packed is None:
-            packed = pack(model, rules)
-        serving = quantize(model, rules, rngs=rngs, packed=True, implementation=implementation)
+        if rules is None:  # ``model`` is the serving structure itself (lowbit.ptq builds it)
+            if packed is None:
+                raise TypeError("PackedModel(serving_model, None, packed): packed is required")
+            serving = model
+        else:
+            rules = Rules.of(rules)
+            if packed is None:
+                packed = pack(model, rules)
+            serving = quantize(model, rules, rngs=rngs, packed=True, implementation=implementation)
         graphdef, _, rest = nnx.split(serving, nnx.Param, ...)
         self.graphdef = graphdef
         self.method = method

@@ -44,6 +44,11 @@ def _spec_unsupported(spec: QuantSpec | None, name: str) -> str | None:
             f"{name}: granularity={spec.granularity!r} ({spec.format} with one scale per "
             "tensor) has no block-scaled kernel"
         )
+    if spec.amax is not None:
+        return (
+            f"{name}: a static (calibrated) amax={spec.amax} (the kernels take each call's "
+            "own amax)"
+        )
     fmt = _formats.get(spec.format)
     if spec.block_shape is not None:
         if len(spec.block_shape) != 1:
@@ -70,7 +75,8 @@ def kernel_supports(spec_a: QuantSpec | None, spec_b: QuantSpec | None) -> tuple
 
     Returns ``(True, "")`` or ``(False, reason)``. Unsupported: per-tensor FP8
     (``granularity="tensor"``), 2-D ``block_shape`` tiles, a 1-D block other than the
-    format's own, and two high-precision (None) operands (no quantized operand at all).
+    format's own, a static ``amax`` (calibrated, post-training quantization), and two
+    high-precision (None) operands (no quantized operand at all).
     Supported with every rounding, scale mode, ``prescale`` gain, ``clip_rms`` and Hadamard
     transform.
     """
