@@ -214,7 +214,9 @@ def _histogram(x: jax.Array) -> Histogram:
     width_exp = jnp.clip(exponent(m) - (_LOG2_BINS - 1), _MIN_WIDTH_EXP, _MAX_WIDTH_EXP)
     # |x| / width is exact (a power of two) and below NUM_BINS; truncation is the floor.
     idx = jnp.minimum((a * pow2(-width_exp)).astype(jnp.int32), NUM_BINS - 1)
-    counts = jnp.zeros(NUM_BINS, jnp.int32).at[idx].add(finite.astype(jnp.int32))
+    # segment_sum rather than .at[idx].add: the same int32 counts, 3x faster on XLA:CPU
+    # (measured on 2M values: 3.8 ms against 12.5 ms; bench_calibrate.py).
+    counts = jax.ops.segment_sum(finite.astype(jnp.int32), idx, NUM_BINS)
     nonfinite = jnp.sum(~finite, dtype=jnp.int32)
     return Histogram(counts=counts, width_exp=width_exp, max=m, nonfinite=nonfinite)
 

@@ -47,6 +47,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -171,8 +172,8 @@ class Calibration:
       weights: site path -> the shape of the site's weight (checked by :func:`quantize`).
       histograms: site path -> :class:`lowbit.calibrate.Histogram` of ``|x|``.
       channel_amax: site path -> float32 ``[K]``, the per-input-channel max of ``|x|``.
-      samples: site path -> float32 ``[rows, K]``, the first activation rows seen (for
-        ``"mse"`` and :meth:`with_method`; not serialised).
+      samples: site path -> float32 ``[rows, K]``, the first activation rows seen (kept by
+        ``calibrate(..., "mse")`` only, for ``"mse"``; not serialised).
     """
 
     amax: dict[str, float]
@@ -188,7 +189,8 @@ class Calibration:
 
     def with_method(self, method: str, *, percentile: float | None = None) -> Calibration:
         """The same statistics with amaxes chosen by another method (``"mse"`` needs the
-        activation samples, which a calibration read back from JSON does not hold)."""
+        activation samples, which only ``calibrate(..., "mse")`` keeps, and a calibration read
+        back from JSON does not hold)."""
         p = self.percentile if percentile is None else percentile
         amax = {s: _site_amax(self, s, method, p) for s in self.formats}
         return dataclasses.replace(self, amax=amax, method=method, percentile=p)
@@ -263,7 +265,7 @@ def _site_amax(cal: Calibration, site: str, method: str, percentile: float) -> f
     if method in ("mse", "entropy") and fmt is None:
         method = "max"  # a weight-only site: no activation quantizer to fit
     if method == "mse":
-        if site not in cal.samples:
+        if site not in cal.samples or cal.samples[site].shape[0] == 0:
             raise ValueError(
                 f"site {site!r}: method='mse' needs the activation samples, which this "
                 "calibration does not hold (read from JSON): calibrate again"
@@ -342,47 +344,57 @@ def _chain(first, rest):
     yield from rest
 
 
+def _call_model(model, batch):
+    return model(batch)
+
+
+def _collect(fn, wanted: frozenset, max_rows: int) -> dict[str, dict]:
+    """Run ``fn`` observing the ``wanted`` sites: ``{"<call index>|<site>": stats}`` (the
+    keys sort in the order the forward reaches the sites; a site called twice has two)."""
+    rec: dict[str, dict] = {}
+
+    def obs(site, lhs, axes):
+        if site in wanted:
+            rec[f"{len(rec):06d}|{site}"] = _stats_of(lhs, axes, max_rows)
+
+    with lbf.observing(obs):
+        fn()
+    return rec
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _observe_nnx(graphdef, call, wanted, max_rows, state, batch):
+    from flax import nnx
+
+    model = nnx.merge(graphdef, state)
+    return _collect(lambda: call(model, batch), wanted, max_rows)
+
+
 def _observer_fn(m: _Model, rules, sites, forward, smoothing, max_rows):
     """A function batch -> ``[(site, stats), ...]`` in the order the forward reaches the sites
-    (one entry per call of a site), jitted."""
-    wanted = {s.path for s in sites}
-    order: list[str] = []  # filled while tracing: jit returns only the arrays
+    (one entry per call of a site), jitted (NNX: compiled once per model structure, forward
+    and batch shape, across calls of :func:`calibrate`)."""
+    wanted = frozenset(s.path for s in sites)
+    call = forward or _call_model
 
-    def collect(fn):
-        rec: list[tuple[str, dict]] = []
-
-        def obs(site, lhs, axes):
-            if site in wanted:
-                rec.append((site, _stats_of(lhs, axes, max_rows)))
-
-        with lbf.observing(obs):
-            fn()
-        order[:] = [site for site, _ in rec]
-        return [st for _, st in rec]
+    def ordered(rec):
+        return [(k.split("|", 1)[1], v) for k, v in sorted(rec.items())]
 
     if m.fw == "nnx":
         from flax import nnx
 
         obs_model = _transformed_nnx(m.model, sites, rules, smoothing, mode="observe")
         graphdef, state = nnx.split(obs_model)
-        call = forward or (lambda model, batch: model(batch))
-
-        @jax.jit
-        def run(state, batch):
-            model = nnx.merge(graphdef, state)
-            return collect(lambda: call(model, batch))
-
-        return lambda batch: list(zip(order, run(state, batch), strict=True))
+        return lambda batch: ordered(_observe_nnx(graphdef, call, wanted, max_rows, state, batch))
 
     module = lbf.linen.Quantized(m.model, lbf.Rules.of(rules), observe=True)
     variables = _transformed_linen_vars(m.variables, sites, smoothing)
-    call = forward or (lambda model, batch: model(batch))
 
     @jax.jit
     def run_linen(variables, batch):
-        return collect(lambda: call(module.bind(variables), batch))
+        return _collect(lambda: call(module.bind(variables), batch), wanted, max_rows)
 
-    return lambda batch: list(zip(order, run_linen(variables, batch), strict=True))
+    return lambda batch: ordered(run_linen(variables, batch))
 
 
 def calibrate(
@@ -410,7 +422,7 @@ def calibrate(
       percentile: for ``"percentile"``.
       smoothing: a :class:`Smoothing` (from :func:`smooth` / :func:`svdquant`): calibrate the
         smoothed activations ``x / s`` that the quantizer will see.
-      max_rows: activation rows kept per site (for ``"mse"``).
+      max_rows: activation rows kept per site for ``"mse"`` (other methods keep none).
       example: Linen with ``forward=`` only: inputs to trace the module's sites with.
 
     Raises ``ValueError`` naming the problem: no batches, a rule that reaches no site, a site
@@ -422,6 +434,8 @@ def calibrate(
         _cal.amax(jnp.ones(1), "percentile", percentile=percentile)  # checks the percentile
     m = _as_model(model)
     rules = lbf.Rules.of(rules)
+    if method != "mse":  # the samples serve "mse" only: not copied out for the others
+        max_rows = 0
     sites, stats, n = _observe_batches(m, rules, batches, forward, smoothing, max_rows, example)
     base = Calibration(
         amax={},

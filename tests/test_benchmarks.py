@@ -100,3 +100,16 @@ def test_time_interleaved_round_robin():
     assert calls[:3] == ["a", "b", "c"]  # warm-up
     assert calls[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # rotating rounds
     assert all(len(t.samples_s) == 3 and t.median_s >= 0 for t in timings.values())
+
+
+def test_bench_calibrate_quick_reports_the_per_batch_ratio(tmp_path):
+    from benchmarks import bench_calibrate
+
+    out = tmp_path / "bench_calibrate.json"
+    payload = bench_calibrate.main(["--quick", "--runs", "1", "--batches", "2", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["config"]["sites"] == 4 and written["config"]["batches"] == 2
+    rows = {r["what"]: r for r in payload["rows"]}
+    per = rows["calibrate (per batch)"]
+    assert per["bound"] == bench_calibrate.BOUND and per["ok"] == (per["x_forward"] <= 1.5)
+    assert all(r["k_batches_ms"] > 0 for r in rows.values())
