@@ -39,7 +39,7 @@ from jax import lax
 
 from lowbit import formats as _formats
 from lowbit import qarray as _qa
-from lowbit.formats import E2M1, E4M3, E5M2, BlockFormat, ElementFormat
+from lowbit.formats import E2M1, E4M3, BlockFormat, ElementFormat
 from lowbit.numerics import exponent, ieee_div, pow2, round_to_grid
 from lowbit.recipes import TENSOR_ELEMENTS
 
@@ -71,7 +71,6 @@ NVFP4_SCALE_OFFSETS = (-4, -3, -2, -1, 1, 2, 3, 4)
 _LOG2_BINS = 11
 _MIN_WIDTH_EXP = -126
 _MAX_WIDTH_EXP = 128 - _LOG2_BINS
-_TENSOR_ELEMS = {"e4m3": E4M3, "e5m2": E5M2}
 _E4M3_MAX_CODE = 0x7E  # 448 = 1.75 * 2**8: S.1111.110
 
 
@@ -277,7 +276,7 @@ def _target(fmt, method: str) -> _Target:
             f"or a per-tensor FP8 element format {TENSOR_ELEMENTS}"
         )
     if isinstance(fmt, str) and fmt.lower() in TENSOR_ELEMENTS:
-        return _Target(None, _TENSOR_ELEMS[fmt.lower()])
+        return _Target(None, _formats.tensor_element(fmt))
     return _Target(_formats.get(fmt), None)
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "get",
     "names",
     "register",
+    "tensor_element",
     "ALIASES",
 ]
 
@@ -224,3 +225,22 @@ def get(name: str | BlockFormat) -> BlockFormat:
     except KeyError:
         known = ", ".join(names() + [f"{a} (= {t})" for a, t in ALIASES.items()])
         raise ValueError(f"unknown format {name!r}; known formats: {known}") from None
+
+
+_TENSOR_ELEMENTS = {"e4m3": E4M3, "e5m2": E5M2}
+
+
+def tensor_element(name: str) -> ElementFormat:
+    """The element format of per-tensor scaled FP8 (``QuantSpec(..., granularity="tensor")``):
+    ``"e4m3"`` or ``"e5m2"``.
+
+    >>> tensor_element("e4m3").max
+    448.0
+    """
+    try:
+        return _TENSOR_ELEMENTS[str(name).lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown per-tensor element format {name!r}; expected one of "
+            f"{sorted(_TENSOR_ELEMENTS)}"
+        ) from None

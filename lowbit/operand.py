@@ -24,7 +24,6 @@ import numpy as np
 from lowbit import formats as _formats
 from lowbit import hadamard as _hadamard
 from lowbit import qarray as _qa
-from lowbit.formats import E4M3, E5M2
 from lowbit.numerics import materialize, round_to_grid, uniform_bits
 from lowbit.recipes import GemmSpec, QuantSpec
 
@@ -40,7 +39,6 @@ __all__ = [
     "apply_static_amax",
 ]
 
-_TENSOR_ELEMS = {"e4m3": E4M3, "e5m2": E5M2}
 _TENSOR_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
 
@@ -89,7 +87,7 @@ def _tensor_quantize(x, spec: QuantSpec, key):
     """Per-tensor scaled FP8 (current scaling, as in Transformer Engine): ``s = elem_max /
     amax``, elements ``round(clip(x * s))``, values ``elements * (1 / s)``. Returns the
     elements and the dequantization factor ``1 / s`` (float32 scalar)."""
-    elem = _TENSOR_ELEMS[spec.format]
+    elem = _formats.tensor_element(spec.format)
     amax = jnp.max(jnp.abs(x)) if spec.amax is None else jnp.float32(spec.amax)
     s = jnp.where(amax > 0, np.float32(elem.max) / amax, np.float32(1.0))
     v = x * s
