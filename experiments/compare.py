@@ -4,6 +4,8 @@
         --recipes none,mxfp8,mxfp6,mxfp4,nvfp4,quartet            # what `make demo` runs
     python -m experiments.compare --config configs/gpt.py:size=xs --seeds 0,1,2 \
         --recipes none,mxfp8,mxfp6,mxfp4,nvfp4,quartet
+    python -m experiments.compare --config configs/digits.py:size=s --seeds 0,1,2 \
+        --recipes none,mxfp8,mxfp6,mxfp4,nvfp4
 
 Each (recipe, seed) is an ordinary run, ``runs/<group>/<recipe>-s<seed>/`` (``<group>`` is
 the part of ``config.name`` before its slash), trained by :func:`experiments.training.train`
@@ -14,7 +16,8 @@ the same config is reused (``--rerun`` trains it again). Results go to ``runs/<g
   (mean over seeds, shaded min..max), and the validation-loss gap to ``none`` in % versus tokens;
 * ``summary.md``: final validation loss (mean +- std over seeds), gap to ``none`` in %, and the
   median step time as a ratio to ``none``'s (runs are timed one after another on the same
-  machine, not interleaved, so small ratios are within the machine's noise);
+  machine, not interleaved, so small ratios are within the machine's noise); for a family
+  whose runs record a validation accuracy (``configs/digits.py``), its mean too;
 * ``summary.json``: the same numbers, for notebooks.
 """
 
@@ -106,6 +109,7 @@ class RecipeResult:
     train: list[tuple[np.ndarray, np.ndarray]]
     val: list[tuple[np.ndarray, np.ndarray]]
     params: int
+    final_accuracy: list[float] = dataclasses.field(default_factory=list)  # where recorded
 
     @property
     def val_mean(self) -> float:
@@ -130,6 +134,8 @@ def load_runs(run_dirs: Sequence[str | Path]) -> dict[str, RecipeResult]:
         )
         res.seeds.append(summary["seed"])
         res.final_val.append(summary["final_val_loss"])
+        if summary.get("final_val_accuracy") is not None:
+            res.final_accuracy.append(summary["final_val_accuracy"])
         if summary.get("step_s"):
             res.step_s.append(summary["step_s"])
         res.train.append((np.array([r["tokens"] for r in tr]), np.array([r["loss"] for r in tr])))
@@ -164,6 +170,7 @@ def summarize(results: dict[str, RecipeResult]) -> list[dict]:
                 "paired_gap_std": statistics.stdev(paired) if len(paired) > 1 else None,
                 "step_s": t,
                 "step_ratio": t / base_t if t and base_t else None,
+                "val_accuracy": statistics.fmean(r.final_accuracy) if r.final_accuracy else None,
             }
         )
     return rows
@@ -174,13 +181,15 @@ def _fmt(v, spec: str, missing: str = "-") -> str:
 
 
 def render_markdown(rows: list[dict], *, title: str, command: str) -> str:
+    accuracy = any(r.get("val_accuracy") is not None for r in rows)
     lines = [
         f"# {title}",
         "",
         f"Command: `{command}`",
         "",
-        "| recipe | seeds | final val loss | gap to none | paired gap | step time / none |",
-        "|---|---|---|---|---|---|",
+        "| recipe | seeds | final val loss | gap to none | paired gap | step time / none |"
+        + (" final val accuracy |" if accuracy else ""),
+        "|---|---|---|---|---|---|" + ("---|" if accuracy else ""),
     ]
     for r in rows:
         loss = f"{r['val_loss']:.4f}"
@@ -195,14 +204,17 @@ def render_markdown(rows: list[dict], *, title: str, command: str) -> str:
         lines.append(
             f"| {r['recipe']} | {r['seeds']} | {loss} | {gap} | {paired} | "
             f"{_fmt(r['step_ratio'], '.2f')}x |"
+            + (f" {_fmt(r.get('val_accuracy'), '.2%')} |" if accuracy else "")
         )
     lines += [
         "",
-        "Final val loss: mean (± standard deviation over seeds) of the validation loss (nats per "
-        "byte) at the last step. Gap: of the means, relative to `none` (the float baseline). "
+        "Final val loss: mean (± standard deviation over seeds) of the validation loss "
+        f"({'nats per image' if accuracy else 'nats per byte'}) at the last step. Gap: of the "
+        "means, relative to `none` (the float baseline). "
         "Paired gap: the gap seed by seed (the same seed gives every recipe the same initial "
         "parameters and batches), mean ± standard deviation. Step time: median step time over "
-        "`none`'s, runs timed one after another on the same machine.",
+        "`none`'s, runs timed one after another on the same machine."
+        + (" Final val accuracy: mean over seeds." if accuracy else ""),
         "",
     ]
     return "\n".join(lines)
@@ -259,7 +271,7 @@ def plot_curves(results: dict[str, RecipeResult], path: str | Path, *, title: st
         ax.set_xlabel("tokens")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0].set_ylabel("nats / byte")
+    axes[0].set_ylabel("nats (GPT: per byte; ViT: per image)")
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -1,4 +1,5 @@
-"""Train one GPT run from a config file (the logic lives in :mod:`experiments.training`).
+"""Train one run from a config file (the logic lives in :mod:`experiments.training`): a GPT
+on text (``configs/gpt.py``) or a ViT on handwritten digits (``configs/digits.py``).
 
     python -m experiments.train --config configs/gpt.py:size=tiny,recipe=mxfp4
     python -m experiments.train --config configs/gpt.py:size=xs,recipe=nvfp4 \
@@ -6,6 +7,7 @@
     python -m experiments.train --config configs/gpt.py:size=tiny,recipe=mxfp4 --resume
     python -m experiments.train --config configs/gpt.py:size=tiny,recipe=qat_mxfp4 \
         --config.init_from=runs/gpt-tiny/none-s0
+    python -m experiments.train --config configs/digits.py:size=s,recipe=mxfp8
 
 Writes ``runs/<config.name>/`` (config.json, metrics.jsonl, summary.json, checkpoints/).
 ``--config.init_from=<run dir>`` starts from that run's trained parameters instead of the
@@ -49,9 +51,11 @@ def main(argv: list[str]) -> None:
     except (*EXPECTED_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    accuracy = result.final_val.get("val_accuracy")
     print(
-        f"{cfg.name}: step {result.step}, final validation loss {result.final_val_loss:.4f}; "
-        f"metrics in {result.metrics_path}"
+        f"{cfg.name}: step {result.step}, final validation loss {result.final_val_loss:.4f}"
+        + (f", accuracy {accuracy:.4f}" if accuracy is not None else "")
+        + f"; metrics in {result.metrics_path}"
     )
 
 

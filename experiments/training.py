@@ -1,14 +1,15 @@
-"""The training loop of the GPT experiments: sharded, checkpointed, resumable, logged.
+"""The training loop of the experiments: sharded, checkpointed, resumable, logged.
 
 :func:`train` takes a :class:`RunConfig` (built from a config file by
 :meth:`RunConfig.from_config`) and writes, under ``<workdir>/<name>/``::
 
     config.json      the resolved config (what ran; compared on --resume)
-    metrics.jsonl    {"kind": "train", step, tokens, loss, aux_loss, grad_norm,
-                      nonfinite_params, lr, step_s, tokens_per_s} every log_every steps;
-                      {"kind": "eval", step, tokens, val_loss} every eval_every steps and at
-                      the end
-    summary.json     final validation loss, median step time, tokens/s
+    metrics.jsonl    {"kind": "train", step, tokens, loss, <the loss function's other
+                      metrics>, grad_norm, nonfinite_params, lr, step_s, tokens_per_s} every
+                      log_every steps; {"kind": "eval", step, tokens, val_loss[,
+                      val_accuracy]} every eval_every steps and at the end
+    summary.json     final validation metrics (final_val_loss[, final_val_accuracy]), median
+                     step time, tokens/s
     checkpoints/     orbax: the train state (parameters, optimizer, quantizer rng state,
                      step) and the data position, every checkpoint_every steps and at the end
 
@@ -27,22 +28,42 @@ both), the quantization recipe may differ. ``init_from`` is recorded (as an abso
 config.json and is part of the config a ``--resume`` must match; a resumed run continues from its
 own checkpoint and does not read ``init_from`` again. The source run is only read.
 
-The model is :class:`experiments.model.GPT`; every linear layer not matched by
-``quant.high_precision`` runs under ``quant.recipe`` through :func:`lowbit.flax.quantize`.
+Model families (``config.family``; a config without the key is ``"gpt"``):
+
+=========  ================================  ==========================================
+family     model, loss (``model`` section)   data (``data`` section), validation metrics
+=========  ================================  ==========================================
+``gpt``    :class:`experiments.model.GPT`    :mod:`experiments.data` byte-level text;
+           (``configs/gpt.py``)              ``val_loss`` (nats per byte)
+``vit``    :class:`experiments.vision.ViT`   :mod:`experiments.vision` scikit-learn
+           (``configs/digits.py``)           digits; ``val_loss``, ``val_accuracy``
+=========  ================================  ==========================================
+
+"Tokens" are what the transformer reads: bytes for GPT, patches for the ViT (16 an image).
+Every linear layer not matched by ``quant.high_precision`` runs under ``quant.recipe``
+through :func:`lowbit.flax.quantize`.
 The step is one ``jax.jit`` with ``NamedSharding``s on a ``Mesh(("data", "fsdp"))``: the batch
 splits over both axes, parameters and optimizer moments split their largest divisible axis over
 ``fsdp`` (one device is the degenerate case). Metrics are fetched one step late so the device
 never waits on the host; a non-finite loss or gradient norm, or a non-finite parameter, stops
 the run with its step number, and only checkpoints whose step was verified finite are written.
+
+For analyses of trained runs (post-training quantization versus QAT, ...):
+:func:`load_trained` reads a run's config and its float model with the latest checkpoint's
+parameters, :func:`evaluate` computes the validation metrics of any model with the
+``(logits, aux) = model(inputs)`` convention on the batches the loop's final eval uses, and
+:func:`calibration_batches` draws model inputs from the training split.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -55,14 +76,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import lowbit as lb
 import lowbit.flax as lbf
 from experiments import data as data_lib
+from experiments import vision
 from experiments.configlib import ConfigError, to_dataclass, to_plain
-from experiments.model import GPT, GPTConfig, loss_fn
+from experiments.model import GPT, GPTConfig
+from experiments.model import loss_fn as gpt_loss_fn
 from lowbit.dot_general import check_implementation
 
 __all__ = [
@@ -78,6 +101,12 @@ __all__ = [
     "quant_rules",
     "read_metrics",
     "config_diff",
+    "FAMILIES",
+    "build_model",
+    "build_float_model",
+    "load_trained",
+    "evaluate",
+    "calibration_batches",
 ]
 
 AXES = ("data", "fsdp")
@@ -151,11 +180,159 @@ class MeshConfig:
     fsdp: int = 1
 
 
+# --------------------------------------------------------------------------------------------
+# Model families: what the loop needs of a model, its data and its metrics
+
+
+class _Family:
+    """One model family: its config sections, model, loss, data, evaluation and GEMM shapes.
+    The loop calls only these methods; the instances are :data:`FAMILIES`."""
+
+    name: str
+    model_config: type  # the dataclass of the ``model`` section
+    data_config: type  # the dataclass of the ``data`` section
+    model_cls: type  # model_cls(cfg.model, rngs=...) -> nnx.Module, (logits, aux) = m(inputs)
+    loss_fn: Callable  # (model, batch) -> (loss, metrics with "loss")
+
+    def load(self, cfg: RunConfig, log: Callable[[str], None]):
+        """The data set (both splits and a ``fingerprint``)."""
+        raise NotImplementedError
+
+    def batches(self, cfg: RunConfig, dataset, state: dict | None = None):
+        """The training batch stream (``next()``, ``state()``), restored from ``state``."""
+        raise NotImplementedError
+
+    def eval_batches(self, cfg: RunConfig, dataset, max_batches: int) -> list[dict]:
+        raise NotImplementedError
+
+    def eval_batch(self, model: nnx.Module, batch: dict) -> dict[str, jax.Array]:
+        """Per-batch validation outputs (jittable), with the batch's mean loss as "loss"."""
+        raise NotImplementedError
+
+    def reduce(self, outs: list[dict]) -> dict[str, float]:
+        """The validation metrics (``val_loss``, ...) from the outputs of every eval batch."""
+        raise NotImplementedError
+
+    def tokens_per_example(self, m) -> int:
+        raise NotImplementedError
+
+    def contraction_axes(self, cfg: RunConfig) -> tuple[list, list]:
+        """``(features, tokens)``: ``(name, length)`` of the axes that the quantized GEMMs
+        contract, in the forward and input gradient (features) and in the weight gradient
+        (tokens)."""
+        raise NotImplementedError
+
+
+class _GPTFamily(_Family):
+    name = "gpt"
+    model_config = GPTConfig
+    data_config = data_lib.DataConfig
+    model_cls = GPT
+    loss_fn = staticmethod(gpt_loss_fn)
+
+    def load(self, cfg, log):
+        return data_lib.load(cfg.data, log=log)
+
+    def batches(self, cfg, dataset, state=None):
+        kw = dict(batch_size=cfg.train.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed)
+        if state is None:
+            return data_lib.Batches(dataset.train, **kw)
+        return data_lib.Batches.restore(dataset.train, state, **kw)
+
+    def eval_batches(self, cfg, dataset, max_batches):
+        return data_lib.eval_batches(
+            dataset.val,
+            batch_size=cfg.train.batch_size,
+            seq_len=cfg.model.seq_len,
+            max_batches=max_batches,
+        )
+
+    def eval_batch(self, model, batch):
+        logits_BTV, _ = model(batch["inputs"])
+        ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+        return {"loss": jnp.mean(ce_BT)}
+
+    def reduce(self, outs):
+        # (full batches of one size: the mean of the batch means)
+        return {"val_loss": float(np.mean([float(o["loss"]) for o in outs]))}
+
+    def tokens_per_example(self, m):
+        return m.seq_len
+
+    def contraction_axes(self, cfg):
+        m = cfg.model
+        features = [("model.d_model", m.d_model), ("model.d_model * model.mlp_ratio", m.d_ff)]
+        tokens = [("model.seq_len", m.seq_len)]
+        if m.mlp == "moe":  # experts' weight gradients contract the capacity axis
+            tokens.append(("model.capacity_multiple", m.capacity_multiple))
+        return features, tokens
+
+
+class _ViTFamily(_Family):
+    name = "vit"
+    model_config = vision.ViTConfig
+    data_config = vision.DigitsDataConfig
+    model_cls = vision.ViT
+    loss_fn = staticmethod(vision.loss_fn)
+
+    def load(self, cfg, log):
+        return vision.load(cfg.data, log=log)
+
+    def batches(self, cfg, dataset, state=None):
+        kw = dict(batch_size=cfg.train.batch_size, seed=cfg.seed)
+        if state is None:
+            return vision.Batches(dataset.train, **kw)
+        return vision.Batches.restore(dataset.train, state, **kw)
+
+    def eval_batches(self, cfg, dataset, max_batches):
+        return vision.eval_batches(
+            dataset.val, batch_size=cfg.train.batch_size, max_batches=max_batches
+        )
+
+    def eval_batch(self, model, batch):
+        logits_BC, _ = model(batch["inputs"])
+        sums = vision.batch_sums(logits_BC, batch)
+        return {"loss": sums["loss_sum"] / sums["count"], **sums}
+
+    def reduce(self, outs):
+        # Sums over examples (the last batch is padded, its padding weighted 0), in float64.
+        total = {k: math.fsum(float(o[k]) for o in outs) for k in ("loss_sum", "correct", "count")}
+        return {
+            "val_loss": total["loss_sum"] / total["count"],
+            "val_accuracy": total["correct"] / total["count"],
+        }
+
+    def tokens_per_example(self, m):
+        return m.num_patches
+
+    def contraction_axes(self, cfg):
+        m, q = cfg.model, cfg.quant
+        features = [("model.d_model", m.d_model), ("model.d_model * model.mlp_ratio", m.d_ff)]
+        if not (q.high_precision and re.fullmatch(q.high_precision, "embed")):
+            features.append(("model.patch ** 2 * model.channels", m.patch_dim))
+        # The linear layers see [batch * patches, features]: a weight gradient contracts all
+        # the patch tokens of a batch.
+        tokens = [
+            ("train.batch_size * model.num_patches", cfg.train.batch_size * m.num_patches)
+        ]
+        return features, tokens
+
+
+FAMILIES: dict[str, _Family] = {f.name: f for f in (_GPTFamily(), _ViTFamily())}
+"""The model families by ``config.family`` name (see the module docstring)."""
+
+DEFAULT_FAMILY = "gpt"  # what a config (or an older run's config.json) without "family" is
+
+
+def _family(cfg: RunConfig) -> _Family:
+    return FAMILIES[cfg.family]
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     name: str
-    model: GPTConfig
-    data: data_lib.DataConfig
+    model: GPTConfig | vision.ViTConfig  # the family's model config
+    data: data_lib.DataConfig | vision.DigitsDataConfig  # the family's data config
     train: TrainConfig
     quant: QuantConfig
     mesh: MeshConfig = MeshConfig()
@@ -164,32 +341,50 @@ class RunConfig:
     # A run directory whose latest checkpoint's parameters this run starts from ("" = the
     # random init); stored resolved to an absolute path. See the module docstring.
     init_from: str = ""
+    # The model family, a key of FAMILIES: which model, data, loss and metrics.
+    family: str = DEFAULT_FAMILY
 
     @classmethod
     def from_config(cls, c) -> RunConfig:
-        """From a ConfigDict such as ``configs/gpt.py``'s (dtype ``auto`` resolved here)."""
+        """From a ConfigDict such as ``configs/gpt.py``'s or ``configs/digits.py``'s, or the
+        dict of a run's config.json (dtype ``auto`` resolved here)."""
         c = to_plain(c)
-        known = {"name", "model", "data", "train", "quant", "mesh", "seed", "workdir", "init_from"}
+        known = {"name", "model", "data", "train", "quant", "mesh", "seed", "workdir"}
+        known |= {"init_from", "family"}
         unknown = sorted(set(c) - known)
         if unknown:
             raise ConfigError(f"config: unknown key(s) {unknown}; expected {sorted(known)}")
+        family = c.get("family") or DEFAULT_FAMILY
+        if family not in FAMILIES:
+            raise ConfigError(f"config.family={family!r}: expected one of {sorted(FAMILIES)}")
+        fam = FAMILIES[family]
         model = dict(c.get("model", {}))
         if model.get("dtype", "float32") == "auto":
             model["dtype"] = "float32" if jax.default_backend() == "cpu" else "bfloat16"
         return cls(
             name=str(c.get("name", "run")),
-            model=to_dataclass(GPTConfig, model, "model"),
-            data=to_dataclass(data_lib.DataConfig, c.get("data"), "data"),
+            model=to_dataclass(fam.model_config, model, "model"),
+            data=to_dataclass(fam.data_config, c.get("data"), "data"),
             train=to_dataclass(TrainConfig, c.get("train"), "train"),
             quant=to_dataclass(QuantConfig, c.get("quant"), "quant"),
             mesh=to_dataclass(MeshConfig, c.get("mesh"), "mesh"),
             seed=int(c.get("seed", 0)),
             workdir=str(c.get("workdir", "runs")),
             init_from=c.get("init_from") or "",
+            family=family,
         )
 
     def __post_init__(self):
-        _check_hadamard_fits(self.model, self.quant)
+        if self.family not in FAMILIES:
+            raise ConfigError(f"config.family={self.family!r}: expected one of {sorted(FAMILIES)}")
+        fam = FAMILIES[self.family]
+        for section, want in (("model", fam.model_config), ("data", fam.data_config)):
+            if not isinstance(getattr(self, section), want):
+                raise ConfigError(
+                    f"config.{section}: family {self.family!r} takes a {want.__name__}, got "
+                    f"{type(getattr(self, section)).__name__}"
+                )
+        _check_hadamard_fits(self)
         if not isinstance(self.init_from, str | os.PathLike):
             raise ConfigError(
                 f'config.init_from: expected a run directory (a path) or "", got {self.init_from!r}'
@@ -205,18 +400,19 @@ class RunConfig:
         return to_plain(self)
 
 
-def _check_hadamard_fits(m: GPTConfig, q: QuantConfig) -> None:
+def _check_hadamard_fits(cfg: RunConfig) -> None:
     """A recipe's Hadamard blocks must divide the contraction axes they run along: features
-    (forward, input gradient) and the sequence (weight gradient)."""
+    (forward, input gradient) and the tokens (weight gradient): the sequence of a GPT
+    (``model.seq_len``), the patch tokens of a ViT's batch (``train.batch_size *
+    model.num_patches``, its linear layers seeing ``[batch * patches, features]``)."""
+    q = cfg.quant
     r = lb.recipes.get(q.recipe)
     feats = [g.hadamard for g in (r.fwd, r.dlhs) if g.hadamard]
     tokens = r.drhs.hadamard
-    checks = [(h, "model.d_model", m.d_model) for h in feats]
-    checks += [(h, "model.d_model * model.mlp_ratio", m.d_model * m.mlp_ratio) for h in feats]
+    feature_axes, token_axes = _family(cfg).contraction_axes(cfg)
+    checks = [(h, name, n) for name, n in feature_axes for h in feats]
     if tokens:
-        checks.append((tokens, "model.seq_len", m.seq_len))
-        if m.mlp == "moe":  # experts' weight gradients contract the capacity axis
-            checks.append((tokens, "model.capacity_multiple", m.capacity_multiple))
+        checks += [(tokens, name, n) for name, n in token_axes]
     for h, name, n in checks:
         if n % h:
             raise ConfigError(
@@ -229,7 +425,7 @@ def _check_hadamard_fits(m: GPTConfig, q: QuantConfig) -> None:
 _RESUMABLE = {("train", "stop_at"), ("train", "progress"), ("train", "keep_checkpoints")}
 # Fields added after runs were written with no value for them, and the value those runs had in
 # effect (config_diff reads a missing key as this instead of None).
-_ADDED = {("init_from",): ""}
+_ADDED = {("init_from",): "", ("family",): DEFAULT_FAMILY}
 # Model fields an init_from run may change: they do not change the parameters.
 _INIT_FROM_FREE = {"dtype"}
 
@@ -250,6 +446,8 @@ class RunResult:
     final_val_loss: float | None
     losses: dict[int, float]  # train loss per logged step (this invocation's and earlier ones)
     step_time_s: float | None  # median over the logged intervals of this invocation
+    # Every final validation metric: {"val_loss": ...} (+ "val_accuracy" for the ViT)
+    final_val: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def metrics_path(self) -> Path:
@@ -269,9 +467,16 @@ def quant_rules(q: QuantConfig) -> list[tuple[str, str]]:
     return rules
 
 
+def build_float_model(cfg: RunConfig) -> nnx.Module:
+    """The family's model (GPT or ViT) of ``cfg.model``, unquantized, its parameters the
+    random init seeded by ``cfg.seed`` (the init of a run of ``cfg``)."""
+    return _family(cfg).model_cls(cfg.model, rngs=nnx.Rngs(params=cfg.seed))
+
+
 def build_model(cfg: RunConfig) -> nnx.Module:
-    """The GPT with its linear layers quantized by :func:`quant_rules` (seeded by cfg.seed)."""
-    model = GPT(cfg.model, rngs=nnx.Rngs(params=cfg.seed))
+    """The family's model with its linear layers quantized by :func:`quant_rules` (seeded by
+    cfg.seed): the model a run of ``cfg`` trains."""
+    model = build_float_model(cfg)
     return lbf.quantize(
         model,
         quant_rules(cfg.quant),
@@ -358,6 +563,7 @@ class _Trainer:
     def __init__(self, cfg: RunConfig, mesh: Mesh):
         self.cfg = cfg
         self.mesh = mesh
+        family = _family(cfg)
         self.tx = _optimizer(cfg.train)
         self.schedule = _schedule(cfg.train)
 
@@ -381,13 +587,14 @@ class _Trainer:
             in_shardings=(self.state_sharding["params"],),
             out_shardings=self.state_sharding,
         )
-        self.batch_sharding = NamedSharding(mesh, P(AXES, None))
+        # The leading (batch) axis of every batch array over both mesh axes.
+        self.batch_sharding = NamedSharding(mesh, P(AXES))
         graphdef = self.graphdef
 
         def step_fn(state, batch):
             def objective(params):
                 model = nnx.merge(graphdef, params, state["rest"], copy=True)
-                loss, metrics = loss_fn(model, batch)
+                loss, metrics = family.loss_fn(model, batch)
                 _, _, rest = nnx.split(model, nnx.Param, ...)
                 return loss, (metrics, rest)
 
@@ -410,8 +617,7 @@ class _Trainer:
 
         def eval_fn(state, batch):
             model = nnx.merge(graphdef, state["params"], state["rest"], copy=True)
-            _, metrics = loss_fn(model, batch)
-            return metrics["loss"]
+            return family.eval_batch(model, batch)
 
         # The step unjitted (for jax.export, e.g. lowering it for CUDA on any machine).
         self.step_fn = step_fn
@@ -421,7 +627,15 @@ class _Trainer:
             out_shardings=(self.state_sharding, None),
             donate_argnums=0,
         )
-        self.eval = jax.jit(eval_fn, in_shardings=(self.state_sharding, self.batch_sharding))
+        # Per eval batch: every output of the family's eval (reduced by family.reduce) ...
+        self.eval_outputs = jax.jit(
+            eval_fn, in_shardings=(self.state_sharding, self.batch_sharding)
+        )
+        # ... and the batch's mean loss alone.
+        self.eval = jax.jit(
+            lambda state, batch: eval_fn(state, batch)["loss"],
+            in_shardings=(self.state_sharding, self.batch_sharding),
+        )
 
     def init_state(self, params=None):
         """A fresh train state (step 0, a fresh optimizer and quantizer rng state), with the
@@ -472,7 +686,8 @@ def _checkpoints(directory: Path, *, keep: int | None = None, read_only: bool = 
     return ocp.CheckpointManager(directory, options=options, item_names=("state", "data"))
 
 
-def _save(mngr, step: int, state, batches: data_lib.Batches, fingerprint: str) -> None:
+def _save(mngr, step: int, state, batches, fingerprint: str) -> None:
+    """Checkpoint ``step``: the train state and the data position (``batches.state()``)."""
     import orbax.checkpoint as ocp
 
     data_state = dict(batches.state(), fingerprint=fingerprint)
@@ -502,31 +717,45 @@ def _restore(mngr, trainer: _Trainer, step: int, *, params_only: bool = False):
         trainer.state_sharding,
     )
     if params_only:
-        target = {"params": target["params"]}
-        args = ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(
-                target,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                partial_restore=True,
-            )
-        )
-    else:
-        args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
-        )
+        return _restore_params(mngr, step, target["params"]), None
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
+    got = _restoring(mngr, step, lambda: mngr.restore(step, args=args))
+    return _rekey(got["state"], trainer.abstract), dict(got["data"])
+
+
+def _restoring(mngr, step: int, restore: Callable):
+    """``restore()``, with orbax / tensorstore errors (they vary) as a ConfigError naming the
+    checkpoint."""
     try:
-        if params_only:
-            _check_saved_params(mngr, step, target["params"])
-        got = mngr.restore(step, args=args)
+        return restore()
     except ConfigError:
         raise
-    except Exception as e:  # orbax / tensorstore errors vary: name the checkpoint
+    except Exception as e:
         raise ConfigError(
             f"cannot restore checkpoint step {step} in {mngr.directory}: {type(e).__name__}: {e}"
         ) from e
-    if params_only:
-        return got["state"]["params"], None
-    return _rekey(got["state"], trainer.abstract), dict(got["data"])
+
+
+def _restore_params(mngr, step: int, target):
+    """The parameters alone of checkpoint ``step``'s train state, onto ``target`` (a tree of
+    ``jax.ShapeDtypeStruct`` with shardings), after checking that the saved tree has its
+    paths, shapes and dtypes (see :func:`_restore`)."""
+    import orbax.checkpoint as ocp
+
+    target = {"params": target}
+    args = ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(
+            target,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True,
+        )
+    )
+
+    def restore():
+        _check_saved_params(mngr, step, target["params"])
+        return mngr.restore(step, args=args)
+
+    return _restoring(mngr, step, restore)["state"]["params"]
 
 
 def _flat_paths(tree) -> dict[str, tuple]:
@@ -566,31 +795,71 @@ def _check_saved_params(mngr, step: int, target) -> None:
         )
 
 
-def _check_init_from(cfg: RunConfig) -> tuple[Path, int]:
-    """The checkpoint directory of the run ``cfg.init_from`` names and its latest step, after
-    checking that it is a run directory with a checkpoint and the model of ``cfg`` (read only).
-    Raises ConfigError naming ``init_from`` and what was expected."""
-    src = Path(cfg.init_from)
-    expected = "expected a run directory written by experiments.train (config.json, checkpoints/)"
+_EXPECTED_RUN = "expected a run directory written by experiments.train (config.json, checkpoints/)"
+
+
+def _check_run_dir(src: Path, what: str) -> None:
+    """ConfigError naming ``what=src`` unless ``src`` is a directory with a config.json."""
     if not src.exists():
-        raise ConfigError(f"init_from={str(src)!r} does not exist; {expected}")
+        raise ConfigError(f"{what}={str(src)!r} does not exist; {_EXPECTED_RUN}")
     if not (src / "config.json").is_file():
         raise ConfigError(
-            f"init_from={str(src)!r} is not a run directory (no config.json); {expected}"
+            f"{what}={str(src)!r} is not a run directory (no config.json); {_EXPECTED_RUN}"
         )
+
+
+def _read_run_config(src: Path, what: str) -> dict:
+    """The dict of ``src/config.json`` (a ConfigError naming ``what=src`` when unreadable)."""
+    try:
+        saved = json.loads((src / "config.json").read_text())
+        if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+            raise ValueError("no model section")
+        return saved
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"{what}={str(src)!r}: cannot read the model section of its config.json "
+            f"({type(e).__name__}: {e}); {_EXPECTED_RUN}"
+        ) from None
+
+
+def _latest_checkpoint(src: Path, what: str) -> tuple[Path, int]:
+    """``src/checkpoints`` and its latest step (read only); a ConfigError naming ``what=src``
+    when it has none."""
+    ckpt_dir = src / "checkpoints"
+    step = None
+    if ckpt_dir.is_dir():
+        mngr = _checkpoints(ckpt_dir, read_only=True)
+        step = mngr.latest_step()
+        mngr.close()
+    if step is None:
+        raise ConfigError(
+            f"{what}={str(src)!r} has no checkpoint (nothing saved under {ckpt_dir}); "
+            "expected a run that wrote one (runs save at the end and every "
+            "train.checkpoint_every steps)"
+        )
+    return ckpt_dir, int(step)
+
+
+def _check_init_from(cfg: RunConfig) -> tuple[Path, int]:
+    """The checkpoint directory of the run ``cfg.init_from`` names and its latest step, after
+    checking that it is a run directory with a checkpoint, of the family and the model of
+    ``cfg`` (read only). Raises ConfigError naming ``init_from`` and what was expected."""
+    src = Path(cfg.init_from)
+    _check_run_dir(src, "init_from")
     if src == cfg.run_dir.resolve():
         raise ConfigError(
             f"init_from={str(src)!r} is this run's own directory; pass --resume to continue it, or "
             "name another run"
         )
-    try:
-        saved = json.loads((src / "config.json").read_text())
-        saved_model = dict(saved["model"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    saved = _read_run_config(src, "init_from")
+    saved_family = saved.get("family") or DEFAULT_FAMILY
+    if saved_family != cfg.family:
         raise ConfigError(
-            f"init_from={str(src)!r}: cannot read the model section of its config.json "
-            f"({type(e).__name__}: {e}); {expected}"
-        ) from None
+            f"init_from={str(src)!r}: the source run is of model family {saved_family!r}, this "
+            f"config's is {cfg.family!r}; expected a run of the same family and architecture "
+            "(only the quantization recipe, the training settings and model.dtype may change)"
+        )
+    saved_model = dict(saved["model"])
     model = cfg.to_json()["model"]
     for k in _INIT_FROM_FREE:
         saved_model.pop(k, None)
@@ -602,19 +871,7 @@ def _check_init_from(cfg: RunConfig) -> tuple[Path, int]:
             f"(source -> this run): {', '.join(diff)}; expected the same architecture (only "
             "the quantization recipe, the training settings and model.dtype may change)"
         )
-    ckpt_dir = src / "checkpoints"
-    step = None
-    if ckpt_dir.is_dir():
-        mngr = _checkpoints(ckpt_dir, read_only=True)
-        step = mngr.latest_step()
-        mngr.close()
-    if step is None:
-        raise ConfigError(
-            f"init_from={str(src)!r} has no checkpoint (nothing saved under {ckpt_dir}); "
-            "expected a run that wrote one (runs save at the end and every "
-            "train.checkpoint_every steps)"
-        )
-    return ckpt_dir, int(step)
+    return _latest_checkpoint(src, "init_from")
 
 
 def config_diff(saved: dict, now: dict, prefix=()) -> list[str]:
@@ -692,7 +949,8 @@ def train(
     # A resumed run continues from its own checkpoint: init_from is read only by a fresh start.
     source = _check_init_from(cfg) if cfg.init_from and not (resume and has_ckpt) else None
 
-    dataset = data_lib.load(cfg.data, log=log)
+    family = _family(cfg)
+    dataset = family.load(cfg, log=log)
     mesh = make_mesh(cfg.mesh, devices)
     n_dev = mesh.size
     if t.batch_size % n_dev:
@@ -726,13 +984,7 @@ def train(
                 f"{data_state.get('fingerprint')} -> {dataset.fingerprint})"
             )
         data_state.pop("fingerprint")
-        batches = data_lib.Batches.restore(
-            dataset.train,
-            data_state,
-            batch_size=t.batch_size,
-            seq_len=cfg.model.seq_len,
-            seed=cfg.seed,
-        )
+        batches = family.batches(cfg, dataset, data_state)
         _truncate_metrics(metrics_path, start)
         log(f"resumed {run_dir} at step {start}")
     else:
@@ -741,26 +993,19 @@ def train(
         state = trainer.init_state(init_params)
         if init_params is not None:
             log(f"{cfg.name}: parameters from {cfg.init_from} (checkpoint step {src_step})")
-        batches = data_lib.Batches(
-            dataset.train, batch_size=t.batch_size, seq_len=cfg.model.seq_len, seed=cfg.seed
-        )
-    evals = data_lib.eval_batches(
-        dataset.val,
-        batch_size=t.batch_size,
-        seq_len=cfg.model.seq_len,
-        max_batches=t.eval_batches,
-    )
+        batches = family.batches(cfg, dataset)
+    evals = family.eval_batches(cfg, dataset, t.eval_batches)
     evals = [trainer.put_batch(b) for b in evals]
     stop = t.stop_at or t.steps
-    tokens_per_step = t.batch_size * cfg.model.seq_len
+    tokens_per_step = t.batch_size * family.tokens_per_example(cfg.model)
 
     losses: dict[int, float] = {}
     intervals: list[float] = []
     last_good = start or None  # the step of the newest checkpoint known to be finite
-    final_val = None
+    final_val = None  # {"val_loss": ..., ...}
 
-    def evaluate(state) -> float:
-        return float(np.mean([float(trainer.eval(state, b)) for b in evals]))
+    def evaluate(state) -> dict[str, float]:
+        return family.reduce([trainer.eval_outputs(state, b) for b in evals])
 
     with open(metrics_path, "a") as mf, _progress(t, start, stop, cfg.name) as bar:
 
@@ -810,14 +1055,7 @@ def train(
                 drain(pending)
                 pending = None
                 final_val = evaluate(state)
-                write(
-                    {
-                        "kind": "eval",
-                        "step": s,
-                        "tokens": s * tokens_per_step,
-                        "val_loss": final_val,
-                    }
-                )
+                write({"kind": "eval", "step": s, "tokens": s * tokens_per_step, **final_val})
                 t_last, step_last = time.perf_counter(), s
             if (t.checkpoint_every and s % t.checkpoint_every == 0) or s == stop:
                 if pending is not None:
@@ -841,16 +1079,116 @@ def train(
         "step": stop,
         "steps": t.steps,
         "tokens": stop * tokens_per_step,
-        "final_val_loss": final_val,
+        **{f"final_{k}": v for k, v in final_val.items()},  # final_val_loss[, _accuracy]
         "final_train_loss": losses.get(stop),
         "step_s": step_time,
         "tokens_per_s": tokens_per_step / step_time if step_time else None,
         "params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract["params"])),
         "devices": n_dev,
         "backend": jax.default_backend(),
+        "family": cfg.family,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return RunResult(run_dir, stop, final_val, losses, step_time)
+    return RunResult(run_dir, stop, final_val["val_loss"], losses, step_time, final_val)
+
+
+# --------------------------------------------------------------------------------------------
+# Trained runs: the float model, validation metrics, calibration inputs
+
+
+def _quiet(*_) -> None:
+    pass
+
+
+def load_trained(run_dir: str | os.PathLike) -> tuple[RunConfig, nnx.Module]:
+    """The config of the run in ``run_dir`` (from its config.json) and its float model: the
+    family's model class (:func:`build_float_model`: no quantization whatever the run's recipe,
+    computing in the stored ``model.dtype``) holding the parameters of the run's latest
+    checkpoint, on the first device. The run is only read.
+
+    Raises ConfigError naming ``run_dir`` when it does not exist, is not a run directory (no
+    config.json), has no checkpoint, or its checkpoint's parameters are not its model's.
+
+    >>> load_trained("no/such/run")
+    Traceback (most recent call last):
+    ...
+    experiments.configlib.ConfigError: run_dir='no/such/run' does not exist; expected a run directory written by experiments.train (config.json, checkpoints/)
+    """  # noqa: E501
+    src = Path(run_dir)
+    _check_run_dir(src, "run_dir")
+    try:
+        cfg = RunConfig.from_config(_read_run_config(src, "run_dir"))
+    except (ConfigError, ValueError) as e:
+        raise ConfigError(f"run_dir={str(src)!r}: its config.json: {e}") from e
+    ckpt_dir, step = _latest_checkpoint(src, "run_dir")
+    # Abstract (no random init is computed): the parameters come from the checkpoint.
+    graphdef, abstract, rest = nnx.split(
+        nnx.eval_shape(lambda: build_float_model(cfg)), nnx.Param, ...
+    )
+    if jax.tree.leaves(rest):  # state besides parameters (none today): the model's own init
+        _, _, rest = nnx.split(build_float_model(cfg), nnx.Param, ...)
+    device = SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract
+    )
+    mngr = _checkpoints(ckpt_dir, read_only=True)
+    try:
+        params = _restore_params(mngr, step, target)
+    except ConfigError as e:
+        raise ConfigError(f"run_dir={str(src)!r}: {e}") from e
+    finally:
+        mngr.close()
+    return cfg, nnx.merge(graphdef, params, rest)
+
+
+@functools.partial(nnx.jit, static_argnums=2)
+def _eval_outputs(model: nnx.Module, batch: dict, family: str) -> dict:
+    return FAMILIES[family].eval_batch(model, batch)
+
+
+def evaluate(
+    cfg: RunConfig,
+    model: nnx.Module,
+    *,
+    max_batches: int | None = None,
+    log: Callable[[str], None] = _quiet,
+) -> dict[str, float]:
+    """The validation metrics of ``model`` on the batches the final eval of a run of ``cfg``
+    uses (the first ``max_batches`` of them when given): ``{"val_loss": ...}``, plus
+    ``"val_accuracy"`` for the ``vit`` family, reduced as the training loop reduces them.
+
+    ``model`` is any NNX module whose ``__call__(inputs)`` returns ``(logits, aux)``: a float
+    model (:func:`load_trained`), a model quantized by :func:`lowbit.flax.quantize`, or a
+    :class:`lowbit.flax.nnx.PackedModel`. Each batch runs through one ``nnx.jit`` (on the
+    default device, not sharded); a model with rng streams (stochastic rounding) advances them.
+    For a run of recipe ``none`` and its :func:`load_trained` model, the metrics equal the
+    run's final ``summary.json`` values (a single-device run)."""
+    family = _family(cfg)
+    n = cfg.train.eval_batches
+    if max_batches is not None:
+        if isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1:
+            raise ValueError(f"max_batches must be a positive int or None, got {max_batches!r}")
+        n = min(n, max_batches)
+    batches = family.eval_batches(cfg, family.load(cfg, log=log), n)
+    outs = [
+        _eval_outputs(model, {k: jnp.asarray(v) for k, v in b.items()}, cfg.family)
+        for b in batches
+    ]
+    return family.reduce(outs)
+
+
+def calibration_batches(
+    cfg: RunConfig, n: int, *, log: Callable[[str], None] = _quiet
+) -> list[np.ndarray]:
+    """``n`` batches of model inputs from the training split (never validation), each of
+    ``cfg.train.batch_size`` examples: token windows ``int32 [B, seq_len]`` (GPT) or images
+    ``float32 [B, 8, 8]`` (ViT). Deterministic: the first ``n`` training batches of a run of
+    ``cfg`` (its seed's shuffle), the same on every call."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    family = _family(cfg)
+    stream = family.batches(cfg, family.load(cfg, log=log))
+    return [next(stream)["inputs"] for _ in range(n)]
 
 
 class _NoBar:

@@ -14,10 +14,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from experiments import data as data_lib
 from experiments import training
-from experiments.configlib import ConfigError
+from experiments.configlib import ConfigError, load_config
 from tests.test_train import ROOT, quiet, tiny
 
 SOURCE_STEPS = 8  # checkpoints at 4 and 8: init_from must take the latest
@@ -219,3 +220,74 @@ def test_init_from_is_resolved_recorded_and_optional(tmp_path, corpus, monkeypat
     older = {k: v for k, v in now.items() if k != "init_from"}
     assert training.config_diff(older, now) == []
     assert training.config_diff(older, cfg.to_json()) == [f"init_from: '' -> {cfg.init_from!r}"]
+
+
+# --------------------------------------------------------------------------------------------
+# load_trained / evaluate / calibration_batches on the float source run (no training here)
+
+
+def test_load_trained_and_evaluate_reproduce_the_gpt_runs_final_validation_loss(source):
+    src_cfg, src, _ = source
+    cfg, model = training.load_trained(src_cfg.run_dir)
+    assert cfg == src_cfg and cfg.family == "gpt"
+    assert type(model).__name__ == "GPT"
+    assert model.blocks[0].mlp.up.dot_general is jax.lax.dot_general  # not quantized
+    want = _params(src_cfg, SOURCE_STEPS)  # the latest checkpoint's parameters
+    got = {
+        jax.tree_util.keystr(k): np.asarray(v)
+        for k, v in jax.tree.leaves_with_path(nnx.state(model, nnx.Param))
+    }
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    summary = json.loads((src_cfg.run_dir / "summary.json").read_text())
+    # Bit for bit: the loop's final eval batches, program and reduction.
+    assert training.evaluate(cfg, model) == {"val_loss": summary["final_val_loss"]}
+    assert summary["final_val_loss"] == src.final_val_loss
+
+
+def test_a_run_written_before_the_family_key_loads_and_resumes_as_gpt(tmp_path, source):
+    src_cfg, _, _ = source
+    old = tmp_path / "old-run"
+    shutil.copytree(src_cfg.run_dir, old)
+    saved = json.loads((old / "config.json").read_text())
+    assert saved.pop("family") == "gpt"
+    (old / "config.json").write_text(json.dumps(saved))
+    cfg, _ = training.load_trained(old)
+    assert cfg.family == "gpt"
+    assert training.config_diff(saved, src_cfg.to_json()) == []
+
+
+def test_calibration_batches_are_the_gpt_runs_first_training_windows(source):
+    src_cfg, _, _ = source
+    a = training.calibration_batches(src_cfg, 2)
+    assert [x.shape for x in a] == [(src_cfg.train.batch_size, src_cfg.model.seq_len)] * 2
+    assert all(x.dtype == np.int32 for x in a)
+    dataset = data_lib.load(src_cfg.data, log=quiet)
+    stream = data_lib.Batches(
+        dataset.train,
+        batch_size=src_cfg.train.batch_size,
+        seq_len=src_cfg.model.seq_len,
+        seed=src_cfg.seed,
+    )
+    for x, y in zip(a, training.calibration_batches(src_cfg, 2), strict=True):
+        np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(x, next(stream)["inputs"])
+    train, val = bytes(dataset.train), bytes(dataset.val)
+    rows = [bytes(r.astype(np.uint8)) for x in a for r in x]
+    assert all(r in train for r in rows)  # windows of the training split ...
+    assert sum(r in val for r in rows) < len(rows) // 2  # ... not validation's (a few repeat)
+
+
+def test_a_digits_run_cannot_start_from_a_gpt_run(tmp_path, source):
+    src_cfg, _, digests = source
+    c = load_config(f"{ROOT}/configs/digits.py:size=tiny")
+    c.workdir = str(tmp_path / "runs")
+    c.init_from = str(src_cfg.run_dir)
+    with pytest.raises(
+        ConfigError,
+        match=r"init_from='.*': the source run is of model family 'gpt', this config's is 'vit'",
+    ):
+        training.train(training.RunConfig.from_config(c), log=quiet)
+    assert not (tmp_path / "runs").exists()
+    assert _digest(src_cfg.run_dir) == digests

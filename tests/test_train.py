@@ -76,9 +76,11 @@ def test_every_config_file_loads(path):
     args = [None]
     if path.name == "gpt.py":
         args += [f"size={s}" for s in ("tiny", "xs", "s", "m", "l")] + ["size=xs,mlp=moe,seed=2"]
+    if path.name == "ptq_vs_qat.py":  # a study config: its training config is its base
+        args += ["family=digits,size=s", "family=gpt,size=tiny"]
     for arg in args:
         c = load_config(f"{path}:{arg}" if arg else str(path))
-        cfg = training.RunConfig.from_config(c)
+        cfg = training.RunConfig.from_config(c.base if "base" in c else c)
         assert cfg.model.dtype == "float32"  # auto -> float32 on CPU
         assert cfg.run_dir.parts[0] == "runs"
 

@@ -1,0 +1,315 @@
+"""What a trained float model loses under post-training quantization, and what calibration,
+smoothing, SVDQuant and a short QAT give back.
+
+    python -m experiments.ptq_vs_qat --config configs/ptq_vs_qat.py:family=gpt,size=xs
+    python -m experiments.ptq_vs_qat --config configs/ptq_vs_qat.py:family=digits,size=s
+
+For the float baseline of ``config.base`` (trained here, or reused when it finished with the same
+config: an ordinary run, ``runs/<group>/none-s<seed>/``), and for each of ``config.formats``:
+
+=================  ==========================================================================
+row                what it is
+=================  ==========================================================================
+``cast``           direct cast: weights packed with standard scales, activations with their
+                   dynamic scales (``lowbit.ptq.quantize`` without calibration)
+``cal-<method>``   activations with the static amax of each calibration method (NVFP4: the
+                   tensor scale; MX: a clip before the dynamic block scales)
+``cal-mse+w-mse``  the ``mse`` calibration and MSE-searched weight block scales
+``smooth``         SmoothQuant / AWQ smoothing (alpha searched per site), then ``mse``
+                   calibration of the smoothed activations and MSE weight scales
+``svdquant``       SVDQuant: smoothing and a rank-``svd_rank`` bf16 branch, the residual
+                   quantized (calibrated and MSE-scaled as above)
+``qat``            the float checkpoint fine-tuned ``qat_steps`` under the format's
+                   ``qat_<format>`` (or ``w4a16_*``) recipe (``init_from``), then packed
+=================  ==========================================================================
+
+Weight-only formats have no activation quantizer: their ``cal-*`` rows equal ``cast`` and are
+left out. With ``float_control`` the float model is fine-tuned the same ``qat_steps`` in float
+(``float+ft``), the yardstick for QAT: what more training alone gives.
+
+Every row is a packed model (``lowbit.ptq.quantize``) evaluated on the validation batches of
+the float run (``experiments.training.evaluate``): validation loss (and accuracy for digits),
+the gap to float, and bits per parameter of the quantized weights (codes, scales, smoothing
+vectors and low-rank branches) and of the whole model. Written to ``runs/<name>/``:
+``ptq_vs_qat.json``, ``ptq_vs_qat.md`` and ``ptq_vs_qat.png`` (the gap per format and row).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+import lowbit as lb
+import lowbit.ptq as ptq
+from experiments import compare, training
+from experiments.configlib import ConfigError
+
+__all__ = ["FORMATS", "recipe_of", "run_study", "render_markdown", "plot", "main"]
+
+# format -> the recipe whose forward the PTQ model runs (and the QAT fine-tune trains)
+FORMATS = {
+    "mxfp8": "qat_mxfp8",
+    "mxfp6": "qat_mxfp6",
+    "mxfp4": "qat_mxfp4",
+    "nvfp4": "qat_nvfp4",
+    "mxint8": "qat_mxint8",
+    "w4a16_mxfp4": "w4a16_mxfp4",
+    "w4a16_nvfp4": "w4a16_nvfp4",
+}
+
+
+def recipe_of(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise ConfigError(
+            f"config.formats: unknown format {fmt!r}; expected some of {list(FORMATS)}"
+        )
+    return FORMATS[fmt]
+
+
+def _split(s: str) -> list[str]:
+    return [x.strip() for x in str(s).split(",") if x.strip()]
+
+
+def _variant(base, *, recipe: str, name: str, steps: int, lr: float, init_from: str):
+    c = copy.deepcopy(base)
+    c.quant.recipe = recipe
+    c.name = name
+    c.init_from = init_from
+    c.train.steps = steps
+    c.train.lr = lr
+    c.train.warmup_steps = max(0, steps // 10)
+    c.train.eval_every = 0
+    c.train.checkpoint_every = 0
+    return c
+
+
+def _run(cfg: training.RunConfig, log) -> Path:
+    """Train ``cfg`` unless it finished earlier with the same config (then reuse it)."""
+    d = cfg.run_dir
+    try:
+        summary = json.loads((d / "summary.json").read_text())
+        saved = json.loads((d / "config.json").read_text())
+        if summary.get("step") == cfg.train.steps and not training.config_diff(
+            saved, cfg.to_json()
+        ):
+            log(f"{cfg.name}: finished earlier with this config, reused")
+            return d
+    except (OSError, json.JSONDecodeError):
+        pass
+    training.train(cfg, resume=(d / "checkpoints").exists(), log=log)
+    return d
+
+
+def _metrics(cfg, model, n_eval) -> dict:
+    return training.evaluate(cfg, model, max_batches=n_eval)
+
+
+def run_study(c, *, log: Callable[[str], None] = print) -> dict:
+    """Run the study of the ConfigDict ``c`` (``configs/ptq_vs_qat.py``); returns the results
+    written to ``ptq_vs_qat.json``."""
+    formats = _split(c.formats)
+    methods = _split(c.methods)
+    for f in formats:
+        recipe_of(f)
+    for m in methods:
+        if m not in lb.calibrate.METHODS:
+            raise ConfigError(
+                f"config.methods: unknown method {m!r}; expected some of {lb.calibrate.METHODS}"
+            )
+    base = c.base
+    base_cfg = training.RunConfig.from_config(base)
+    out_dir = Path(c.workdir) / c.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    group = compare.group_of(base_cfg.name)
+    t0 = time.perf_counter()
+    float_dir = _run(base_cfg, log)
+    cfg, model = training.load_trained(float_dir)
+    n_eval = int(c.eval_batches) or None
+    float_m = _metrics(cfg, model, n_eval)
+    log(f"float: {float_m}")
+    batches = training.calibration_batches(cfg, int(c.calib_batches))
+    metric = "val_accuracy" if "val_accuracy" in float_m else "val_loss"
+
+    rows: list[dict] = []
+
+    def add(fmt: str, row: str, served, extra=None):
+        m = _metrics(cfg, served, n_eval)
+        bits = ptq.bits_per_param(served)
+        rec = {
+            "format": fmt,
+            "row": row,
+            **m,
+            "gap_pct": 100.0 * (m["val_loss"] - float_m["val_loss"]) / float_m["val_loss"],
+            "bits_weights": bits["weights"],
+            "bits_model": bits["model"],
+            **(extra or {}),
+        }
+        if "val_accuracy" in m:
+            rec["acc_drop"] = float_m["val_accuracy"] - m["val_accuracy"]
+        rows.append(rec)
+        log(f"{fmt:12s} {row:14s} val_loss {m['val_loss']:.4f} ({rec['gap_pct']:+.2f}%)"
+            + (f" acc {m['val_accuracy']:.4f}" if "val_accuracy" in m else "")
+            + f" bits {bits['weights']:.3f}")
+
+    for fmt in formats:
+        recipe = recipe_of(fmt)
+        rules = training.quant_rules(dataclasses.replace(cfg.quant, recipe=recipe))
+        weight_only = fmt.startswith("w4a16_")
+        add(fmt, "cast", ptq.quantize(model, rules))
+        cal = ptq.calibrate(model, rules, batches, "mse", percentile=float(c.percentile))
+        if not weight_only:
+            for m in methods:
+                add(fmt, f"cal-{m}", ptq.quantize(model, rules, cal.with_method(m)),
+                    {"amax": cal.with_method(m).amax})
+        add(fmt, "cal-mse+w-mse" if not weight_only else "w-mse",
+            ptq.quantize(model, rules, cal, weights="mse"))
+        if c.smooth:
+            sm = ptq.smooth(model, rules, batches)
+            cal_s = ptq.calibrate(model, rules, batches, "mse", smoothing=sm)
+            add(fmt, "smooth", ptq.quantize(model, rules, cal_s, weights="mse", smoothing=sm),
+                {"alpha": sm.alpha})
+        if int(c.svd_rank) > 0:
+            sv = ptq.svdquant(model, rules, batches, rank=int(c.svd_rank),
+                              iterations=int(c.svd_iterations))
+            cal_v = ptq.calibrate(model, rules, batches, "mse", smoothing=sv)
+            add(fmt, "svdquant", ptq.quantize(model, rules, cal_v, weights="mse", smoothing=sv),
+                {"alpha": sv.alpha, "rank": sv.rank})
+        if int(c.qat_steps) > 0:
+            qc = _variant(base, recipe=recipe, name=f"{group}/qat-{recipe}-s{cfg.seed}",
+                          steps=int(c.qat_steps), lr=float(c.qat_lr),
+                          init_from=str(float_dir))
+            _, qmodel = training.load_trained(_run(training.RunConfig.from_config(qc), log))
+            add(fmt, "qat", ptq.quantize(qmodel, rules), {"qat_steps": int(c.qat_steps)})
+    control = None
+    if c.float_control and int(c.qat_steps) > 0:
+        fc = _variant(base, recipe="none", name=f"{group}/float-ft-s{cfg.seed}",
+                      steps=int(c.qat_steps), lr=float(c.qat_lr), init_from=str(float_dir))
+        _, fmodel = training.load_trained(_run(training.RunConfig.from_config(fc), log))
+        control = _metrics(cfg, fmodel, n_eval)
+        log(f"float+ft: {control}")
+    result = {
+        "name": c.name,
+        "float_run": str(float_dir),
+        "float": float_m,
+        "float_ft": control,
+        "metric": metric,
+        "rows": rows,
+        "config": c.to_dict() if hasattr(c, "to_dict") else dict(c),
+        "seconds": time.perf_counter() - t0,
+    }
+    return result
+
+
+def render_markdown(result: dict, command: str = "") -> str:
+    """The table: one line per (format, row); the float model and its fine-tuned control."""
+    fl = result["float"]
+    acc = "val_accuracy" in fl
+    lines = [f"# {result['name']}: post-training quantization against QAT", ""]
+    if command:
+        lines += ["```", command, "```", ""]
+    head = "| format | row | val loss | gap to float | " + ("val acc | " if acc else "")
+    head += "bits/weight | bits/param (model) |"
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    lines.append(f"| float | - | {fl['val_loss']:.4f} | - | "
+                 + (f"{fl['val_accuracy']:.4f} | " if acc else "") + "32 | 32 |")
+    if result.get("float_ft"):
+        ft = result["float_ft"]
+        gap = 100 * (ft["val_loss"] - fl["val_loss"]) / fl["val_loss"]
+        lines.append(
+            f"| float+ft | float fine-tuned like QAT | {ft['val_loss']:.4f} | {gap:+.2f}% | "
+            + (f"{ft['val_accuracy']:.4f} | " if acc else "") + "32 | 32 |"
+        )
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['format']} | {r['row']} | {r['val_loss']:.4f} | {r['gap_pct']:+.2f}% | "
+            + (f"{r['val_accuracy']:.4f} | " if acc else "")
+            + f"{r['bits_weights']:.3f} | {r['bits_model']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path) -> Path:
+    """Grouped bars: the validation-loss gap to float (%) per format, one bar per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    formats = list(dict.fromkeys(r["format"] for r in rows))
+    kinds = list(dict.fromkeys(r["row"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(formats)), 4))
+    width = 0.8 / max(1, len(kinds))
+    for j, k in enumerate(kinds):
+        xs, ys = [], []
+        for i, f in enumerate(formats):
+            v = [r["gap_pct"] for r in rows if r["format"] == f and r["row"] == k]
+            if v:
+                xs.append(i + (j - (len(kinds) - 1) / 2) * width)
+                ys.append(v[0])
+        ax.bar(xs, ys, width, label=k)
+    if result.get("float_ft"):
+        fl, ft = result["float"]["val_loss"], result["float_ft"]["val_loss"]
+        ax.axhline(100 * (ft - fl) / fl, color="k", ls="--", lw=1, label="float+ft")
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set_xticks(range(len(formats)), formats)
+    ax.set_ylabel("validation loss gap to float (%)")
+    ax.set_title(f"{result['name']}: PTQ and QAT")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write(result: dict, out_dir, command: str = "") -> tuple[Path, Path, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js = out_dir / "ptq_vs_qat.json"
+    js.write_text(json.dumps(result, indent=2, default=_json_default) + "\n")
+    md = out_dir / "ptq_vs_qat.md"
+    md.write_text(render_markdown(result, command))
+    png = plot(result, out_dir / "ptq_vs_qat.png")
+    return js, md, png
+
+
+def _json_default(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    raise TypeError(f"not JSON-serialisable: {type(x).__name__}")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        from absl import app
+
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+    c = _CONFIG.value
+    command = " ".join(["python -m experiments.ptq_vs_qat", *sys.argv[1:]])
+    try:
+        result = run_study(c)
+    except (ConfigError, ValueError, training.TrainingDiverged) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    js, md, png = write(result, Path(c.workdir) / c.name, command)
+    print(md.read_text())
+    print(f"table: {md}\nfigure: {png}\nresults: {js}")
+
+
+if __name__ == "__main__":
+    from absl import app
+    from ml_collections import config_flags
+
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/ptq_vs_qat.py:...")
+    app.run(main)
