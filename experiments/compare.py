@@ -86,7 +86,7 @@ def run_all(
     dirs = []
     for cfg in cfgs:  # all configs are validated (recipe names included) before any training
         if rerun:
-            training.remove_run(cfg.run_dir)
+            training.remove_run(cfg.run_dir, workdir=cfg.workdir)
         if _finished(cfg):
             log(f"{cfg.name}: finished earlier with this config, reused")
         else:  # a run left unfinished (same config) continues from its last checkpoint

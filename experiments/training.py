@@ -105,6 +105,8 @@ __all__ = [
     "build_model",
     "build_float_model",
     "load_trained",
+    "runs_started_from",
+    "remove_run",
     "evaluate",
     "calibration_batches",
 ]
@@ -1215,6 +1217,31 @@ def _progress(t: TrainConfig, start: int, stop: int, name: str):
     )
 
 
-def remove_run(run_dir: str | os.PathLike) -> None:
-    """Delete a run directory (used by ``compare --rerun``)."""
+def runs_started_from(run_dir: str | os.PathLike, workdir: str | os.PathLike) -> list[Path]:
+    """The run directories under ``workdir`` (``<workdir>/<group>/<run>/``) whose config.json
+    names ``run_dir`` as their ``init_from`` (their parameters started from it)."""
+    src = str(Path(run_dir).expanduser().resolve())
+    out = []
+    for cfg_path in sorted(Path(workdir).glob("*/*/config.json")):
+        try:
+            init = json.loads(cfg_path.read_text()).get("init_from") or ""
+        except (OSError, json.JSONDecodeError):
+            continue
+        if init and str(Path(init).expanduser().resolve()) == src:
+            out.append(cfg_path.parent)
+    return out
+
+
+def remove_run(run_dir: str | os.PathLike, *, workdir: str | os.PathLike | None = None) -> None:
+    """Delete a run directory (used by ``compare --rerun``). With ``workdir``, refuse (a
+    ConfigError, nothing deleted) when another run under it started from this one
+    (``init_from``): deleting the source would leave that run without its provenance."""
+    if workdir is not None:
+        dependents = runs_started_from(run_dir, workdir)
+        if dependents:
+            raise ConfigError(
+                f"will not delete {run_dir}: it is the init_from source of "
+                f"{[str(d) for d in dependents]}; delete those runs first (or rerun under "
+                "another config.name)"
+            )
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -291,3 +291,21 @@ def test_a_digits_run_cannot_start_from_a_gpt_run(tmp_path, source):
         training.train(training.RunConfig.from_config(c), log=quiet)
     assert not (tmp_path / "runs").exists()
     assert _digest(src_cfg.run_dir) == digests
+
+
+def test_rerun_will_not_delete_the_source_of_another_run(tmp_path):
+    """compare --rerun removes a run's directory first; when another run of the workdir
+    started from it (its config.json's init_from), nothing is deleted and the error names
+    the dependent run."""
+    src = tmp_path / "g" / "none-s0"
+    (src / "checkpoints").mkdir(parents=True)
+    (src / "config.json").write_text(json.dumps({"init_from": ""}))
+    dep = tmp_path / "g" / "qat_mxfp4-s0"
+    dep.mkdir()
+    (dep / "config.json").write_text(json.dumps({"init_from": str(src.resolve())}))
+    assert training.runs_started_from(src, tmp_path) == [dep]
+    with pytest.raises(ConfigError, match=r"init_from source of .*qat_mxfp4-s0"):
+        training.remove_run(src, workdir=tmp_path)
+    assert (src / "checkpoints").exists()
+    training.remove_run(dep, workdir=tmp_path)  # nothing started from it
+    assert not dep.exists()
