@@ -177,7 +177,7 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
                 {"alpha": sm.alpha})
         if int(c.svd_rank) > 0:
             sv = ptq.svdquant(model, rules, batches, rank=int(c.svd_rank),
-                              iterations=int(c.svd_iterations))
+                              iterations=int(c.svd_iterations), smoothing=True)
             cal_v = ptq.calibrate(model, rules, batches, "mse", smoothing=sv)
             add(fmt, "svdquant", ptq.quantize(model, rules, cal_v, weights="mse", smoothing=sv),
                 {"alpha": sv.alpha, "rank": sv.rank})

@@ -618,14 +618,20 @@ def _scales(xmax: np.ndarray, wmax: np.ndarray, alpha: float) -> np.ndarray:
     return np.where(ok, np.clip(s, 1e-6, 1e6), 1.0).astype(np.float32)
 
 
-def _search(x, w, xmax, recipe: Recipe, alphas, rank, iterations, dtype, smoothing: bool):
-    """The scales (and branch) of least output error on the calibration rows ``x``."""
+def _search(x, w, xmax, recipe: Recipe, alphas, rank, iterations, dtype, smoothing: bool,
+            fixed=None):
+    """The scales (and branch) of least output error on the calibration rows ``x``; ``fixed``:
+    ``(alpha, s)`` given, not searched."""
     spec_x, spec_w = recipe.fwd.lhs, lbf.weight_spec(recipe)
     ref = jnp.asarray(x) @ jnp.asarray(w)
     wmax = np.max(np.abs(w), axis=1)
     best = None
-    for a in (alphas if smoothing else (None,)):
-        s = _scales(xmax, wmax, a) if a is not None else np.ones(w.shape[0], np.float32)
+    for a in (alphas if smoothing and fixed is None else (None,)):
+        if fixed is not None:
+            a, s = fixed
+            s = np.asarray(s, np.float32)
+        else:
+            s = _scales(xmax, wmax, a) if a is not None else np.ones(w.shape[0], np.float32)
         xs = np.asarray(jnp.asarray(x) / s[None, :])
         ws = np.asarray(s[:, None] * w, np.float32)
         lowrank, resid = (None, ws) if rank == 0 else _branch(ws, spec_w, rank, iterations, dtype)
@@ -641,7 +647,7 @@ def _search(x, w, xmax, recipe: Recipe, alphas, rank, iterations, dtype, smoothi
 
 
 def _smoothing(model, rules, batches, alpha, rank, iterations, *, forward, example, dtype,
-               smoothing: bool, max_rows: int, where: str) -> Smoothing:
+               smoothing, max_rows: int, where: str) -> Smoothing:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ValueError(f"{where}: rank must be a non-negative int, got {rank!r}")
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
@@ -652,9 +658,17 @@ def _smoothing(model, rules, batches, alpha, rank, iterations, *, forward, examp
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
             raise ValueError(f"{where}: alpha must be None (searched) or in [0, 1], got {alpha!r}")
         alphas = (float(alpha),)
+    given = smoothing if isinstance(smoothing, Smoothing) else None
+    if not (isinstance(smoothing, bool) or smoothing is None or given is not None):
+        raise TypeError(
+            f"{where}: smoothing must be None / False (s = 1), True (searched) or a Smoothing "
+            f"(from smooth()), got {type(smoothing).__name__}"
+        )
     m = _as_model(model)
     rules = lbf.Rules.of(rules)
     sites, stats, _ = _observe_batches(m, rules, batches, forward, None, max_rows, example)
+    if given is not None:
+        given.check(sites, rules)
     scales, alpha_of, lowrank, errors = {}, {}, {}, {}
     for site in _dense_sites(sites, where):
         recipe = rules.active(site.path)
@@ -665,8 +679,11 @@ def _smoothing(model, rules, batches, alpha, rank, iterations, *, forward, examp
             )
         w = _kernel_value(m, site)
         st = stats[site.path]
+        fixed = None
+        if given is not None and site.path in given.scales:
+            fixed = (given.alpha.get(site.path), given.scales[site.path])
         err, a, s, lr = _search(st["rows"], w, st["chan"], recipe, alphas, rank, iterations,
-                                dtype, smoothing)
+                                dtype, smoothing is True, fixed)
         scales[site.path], alpha_of[site.path], errors[site.path] = s, a, err
         if lr is not None:
             lowrank[site.path] = lr
@@ -707,23 +724,27 @@ def svdquant(
     batches: Iterable,
     rank: int = 32,
     *,
+    smoothing: Smoothing | bool | None = None,
     alpha: float | None = None,
-    smoothing: bool = True,
     iterations: int = 0,
     branch_dtype=jnp.bfloat16,
     forward: Callable | None = None,
     example=None,
     max_rows: int = MAX_ROWS,
 ) -> Smoothing:
-    """SVDQuant (Li et al. 2025): smoothing, then a high-precision low-rank branch.
+    """SVDQuant (Li et al. 2025): a high-precision low-rank branch after smoothing.
 
-    Per dense site, after smoothing (as :func:`smooth`, ``alpha`` searched with the branch in
-    place unless given; ``smoothing=False`` keeps ``s = 1``), the smoothed weight ``W' =
-    diag(s) W`` is split into ``L1 @ L2`` from its rank-``rank`` SVD (``L1 = U_r sqrt(S_r)``,
-    ``L2 = sqrt(S_r) V_r^T``, stored in ``branch_dtype``, 16-bit as in the paper) and the
-    residual ``W' - L1 L2``, which is quantized to the site's format. ``iterations``
-    refinements ``L <- SVD_r(W' - Q(W' - L))`` fit the branch to what quantization loses.
-    The branch runs in float32 on the smoothed activation. ``rank=0``: the smoothing alone.
+    Per dense site, the smoothed weight ``W' = diag(s) W`` is split into ``L1 @ L2`` from its
+    rank-``rank`` SVD (``L1 = U_r sqrt(S_r)``, ``L2 = sqrt(S_r) V_r^T``, stored in
+    ``branch_dtype``, 16-bit as in the paper) and the residual ``W' - L1 L2``, which is
+    quantized to the site's format. ``iterations`` refinements ``L <- SVD_r(W' - Q(W' - L))``
+    fit the branch to what quantization loses. The branch runs in float32 on the smoothed
+    activation ``x / s``.
+
+    ``smoothing``: the scales ``s``: a :class:`Smoothing` from :func:`smooth` (the paper's
+    order: smooth, then decompose), True (``a`` searched as in :func:`smooth` but with the
+    branch in place, or ``alpha`` if given), or None / False (``s = 1``: no smoothing, so
+    ``rank=0`` is plain post-training quantization exactly).
 
     Returns a :class:`Smoothing` holding the scales and the branches. Its bits count in
     :func:`bits_per_param`.

@@ -122,7 +122,7 @@ def test_static_amax_reaches_the_quantizer(model, cal):
 
 
 def _svd(model):
-    return ptq.svdquant(model, RULES, _batches(), rank=4, iterations=1)
+    return ptq.svdquant(model, RULES, _batches(), rank=4, iterations=1, smoothing=True)
 
 
 @pytest.mark.parametrize("variant", ["plain", "mse", "svd"])
@@ -147,7 +147,7 @@ def test_linen_packed_equals_simulated_bit_for_bit():
     mdl = LinenMLP()
     bound = mdl.bind(mdl.init(jax.random.key(0), x0))
     cal = ptq.calibrate(bound, RULES, _batches(), "mse")
-    sm = ptq.svdquant(bound, RULES, _batches(), rank=4, example=x0)
+    sm = ptq.svdquant(bound, RULES, _batches(), rank=4, example=x0, smoothing=True)
     cal_s = ptq.calibrate(bound, RULES, _batches(), "max", smoothing=sm)
     x = _batches(1, seed=5)[0]
     for c, kw in ((cal, {}), (cal_s, {"smoothing": sm})):
@@ -184,13 +184,16 @@ def test_unit_smoothing_and_rank_zero_are_plain_ptq(model, cal):
     plain = _call(ptq.quantize(model, RULES, cal), x)
     ones = ptq.Smoothing({"up": np.ones(D, np.float32), "down": np.ones(H, np.float32)})
     np.testing.assert_array_equal(_call(ptq.quantize(model, RULES, cal, smoothing=ones), x), plain)
-    r0 = ptq.svdquant(model, RULES, _batches(), rank=0, smoothing=False)
+    r0 = ptq.svdquant(model, RULES, _batches(), rank=0)  # no smoothing unless asked
     assert all(np.all(s == 1) for s in r0.scales.values()) and not r0.lowrank
     np.testing.assert_array_equal(_call(ptq.quantize(model, RULES, cal, smoothing=r0), x), plain)
     sm = ptq.smooth(model, RULES, _batches(), alpha=0.5)
-    r0s = ptq.svdquant(model, RULES, _batches(), rank=0, alpha=0.5)
+    r0s = ptq.svdquant(model, RULES, _batches(), rank=0, smoothing=True, alpha=0.5)
+    given = ptq.svdquant(model, RULES, _batches(), rank=2, smoothing=sm)
     for site in sm.scales:
         np.testing.assert_array_equal(sm.scales[site], r0s.scales[site])
+        np.testing.assert_array_equal(sm.scales[site], given.scales[site])
+        assert given.lowrank[site][0].shape == (sm.scales[site].shape[0], 2)
 
 
 def test_svdquant_beats_plain_and_smoothing_on_outlier_channels():
@@ -212,7 +215,7 @@ def test_svdquant_beats_plain_and_smoothing_on_outlier_channels():
 
     e_plain = err()
     e_smooth = err(smoothing=ptq.smooth(m, rules, batches))
-    svd = ptq.svdquant(m, rules, batches, rank=4, iterations=2)
+    svd = ptq.svdquant(m, rules, batches, rank=4, iterations=2, smoothing=True)
     e_svd = err(smoothing=svd)
     assert e_svd < e_smooth < e_plain and e_svd < 0.5 * e_plain
     bits = ptq.bits_per_param(ptq.quantize(m, rules, smoothing=svd))["weights"]
