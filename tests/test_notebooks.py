@@ -42,6 +42,8 @@ DEMO_STEPS = 6
 DEMO_RECIPES = ["none", "mxfp4"]  # the float baseline and one quantized run: every plot drawn
 PTQ_STUDY_TINY = True  # 04_ptq_vs_qat: a tiny digits study, whatever runs/ holds
 CALIB_BATCHES = 2
+TINY_METHODS = "entropy"
+HIST_SITES = 2
 import pathlib, lowbit
 DATA_PATH = str(pathlib.Path(lowbit.__file__).parents[1] / "README.md")
 import jax

@@ -200,8 +200,12 @@ def test_kernel_supports():
     # every recipe's GEMMs but per-tensor FP8 and NVFP4's 16x16 weight tiles
     for pair in _recipe_pairs():
         tiles = any(s is not None and s.block_shape == (16, 16) for s in pair)
-        expected = pair[0].granularity == "block" and not tiles
+        tensor = any(s is not None and s.granularity == "tensor" for s in pair)
+        expected = not tensor and not tiles  # weight-only (None, spec) pairs included
         assert kernel_supports(*pair)[0] == expected
+    static = QuantSpec("nvfp4", amax=3.0)  # a calibrated static amax: the emulation runs
+    ok, reason = kernel_supports(static, QuantSpec("nvfp4"))
+    assert not ok and "static (calibrated) amax" in reason
 
 
 def test_rejects_bad_arguments():
