@@ -86,7 +86,14 @@ def test_notebooks_found():
     assert NOTEBOOKS, f"no notebooks under {ROOT / 'notebooks'}"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+# 04_ptq_vs_qat trains a tiny float model and its QAT fine-tune (~100 s of compiling on the
+# 2-core CI machine, with an empty compile cache): `make test-slow` runs it; the study code it
+# calls is tests/test_ptq_vs_qat.py's.
+EXECUTED = [pytest.param(p, marks=pytest.mark.slow) if p.name.startswith("04_") else p
+            for p in NOTEBOOKS]
+
+
+@pytest.mark.parametrize("path", EXECUTED, ids=lambda p: p.name)
 def test_notebook_executes(path: pathlib.Path, tmp_path: pathlib.Path):
     nb = nbformat.read(path, as_version=4)
     _inject_parameters(nb)

@@ -107,13 +107,17 @@ def test_static_amax_reaches_the_quantizer(model, cal):
     sim = ptq.simulate(model, RULES, cal)
     a_up, a_dn = np.float32(cal.amax["up"]), np.float32(cal.amax["down"])
     hp = jax.lax.Precision.HIGHEST
-    xq = lb.fake_quantize(x, "nvfp4", tensor_amax=a_up)
-    wq = lb.fake_quantize(model.up.kernel.get_value(), "nvfp4", 0)
-    h = nnx.gelu(jnp.matmul(xq, wq, precision=hp) + model.up.bias.get_value()[None])
-    hq = lb.fake_quantize(jnp.clip(h, -a_dn, a_dn), "mxfp4")
-    w2 = lb.fake_quantize(model.down.kernel.get_value(), "mxfp4", 0)
-    y = model.head(jnp.matmul(hq, w2, precision=hp) + model.down.bias.get_value()[None])
-    np.testing.assert_allclose(_call(sim, x), y, rtol=2e-6, atol=2e-6)
+
+    @nnx.jit  # one program (op by op, the small ops' compiles would dominate the test)
+    def by_hand(model, x):
+        xq = lb.fake_quantize(x, "nvfp4", tensor_amax=a_up)
+        wq = lb.fake_quantize(model.up.kernel.get_value(), "nvfp4", 0)
+        h = nnx.gelu(jnp.matmul(xq, wq, precision=hp) + model.up.bias.get_value()[None])
+        hq = lb.fake_quantize(jnp.clip(h, -a_dn, a_dn), "mxfp4")
+        w2 = lb.fake_quantize(model.down.kernel.get_value(), "mxfp4", 0)
+        return model.head(jnp.matmul(hq, w2, precision=hp) + model.down.bias.get_value()[None])
+
+    np.testing.assert_allclose(_call(sim, x), by_hand(model, x), rtol=2e-6, atol=2e-6)
     assert not np.array_equal(_call(sim, x), _call(ptq.simulate(model, RULES), x))
 
 
@@ -198,8 +202,8 @@ def test_unit_smoothing_and_rank_zero_are_plain_ptq(model, cal):
 
 def test_svdquant_beats_plain_and_smoothing_on_outlier_channels():
     """Weights with planted outlier input channels and activations with outlier channels:
-    the relative output error of one NVFP4 site, plain PTQ > smoothing > SVDQuant (rank 4),
-    while SVDQuant's bits per weight stay below MXFP6's (6.25)."""
+    the relative output error of one NVFP4 site, plain PTQ > smoothing > SVDQuant (rank 4);
+    at equal bits, SVDQuant's 5.75 bits per weight beat a plain MXFP6 cast's 6.25."""
     m = nnx.Linear(128, 128, use_bias=False, rngs=nnx.Rngs(1))
     w = np.asarray(m.kernel.get_value()).copy()
     w[[5, 40, 77], :] *= 30.0
@@ -209,7 +213,7 @@ def test_svdquant_beats_plain_and_smoothing_on_outlier_channels():
     x = _batches(1, rows=64, d=128, seed=11)[0]
     ref = np.asarray(x @ w)
 
-    def err(**kw):
+    def err(rules=rules, **kw):
         y = np.asarray(_call(ptq.quantize(m, rules, **kw), x))
         return float(np.sum((y - ref) ** 2) / np.sum(ref**2))
 
@@ -221,6 +225,7 @@ def test_svdquant_beats_plain_and_smoothing_on_outlier_channels():
     bits = ptq.bits_per_param(ptq.quantize(m, rules, smoothing=svd))["weights"]
     # NVFP4 (4.5 bits and the tensor scale), a bf16 rank-4 branch, the float32 vector s
     assert bits == 4.5 + 32 / 128**2 + 16 * 4 * 256 / 128**2 + 32 / 128
+    assert bits < 6.25 and e_svd < err([(".*", "qat_mxfp6")])
 
 
 # --------------------------------------------------------------------------------------------
