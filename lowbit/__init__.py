@@ -15,16 +15,20 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # lowbit.flax imports Flax: load it on first use so `import lowbit` stays light.
-    if name == "flax":
+    # lowbit.flax (and what builds on it) imports Flax: load on first use so `import lowbit`
+    # stays light.
+    if name in ("flax", "ptq", "autoquant"):
         import importlib
 
-        return importlib.import_module("lowbit.flax")
+        return importlib.import_module(f"lowbit.{name}")
     raise AttributeError(f"module 'lowbit' has no attribute {name!r}")
+
 
 __all__ = [
     "calibrate",
     "flax",
+    "ptq",
+    "autoquant",
     "formats",
     "hadamard",
     "native",

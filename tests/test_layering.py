@@ -4,7 +4,7 @@ Layers, lowest first (a module may import its own layer and the layers below it)
 
     formats -> numerics, hadamard -> native -> qarray -> recipes -> operand, calibrate
       -> pallas_kernels (the kernels and their references) -> dot_general -> flax -> ptq
-      -> experiments -> benchmarks
+      -> autoquant -> experiments -> benchmarks
 
 ``lowbit`` reaches ``pallas_kernels`` only through the lazy implementation table in
 ``lowbit.dot_general`` (an ``importlib`` call on first use, no import statement), and
@@ -35,6 +35,7 @@ LAYERS = [
     ("lowbit.dot_general",),
     ("lowbit.flax",),
     ("lowbit.ptq",),
+    ("lowbit.autoquant",),
     ("experiments",),
     ("benchmarks",),
 ]

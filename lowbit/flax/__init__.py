@@ -51,6 +51,7 @@ from lowbit.flax._core import (
     pack_weight,
     path_str,
     serving_recipe,
+    substituting,
     weight_spec,
 )
 from lowbit.flax.checkpoint import CheckpointError, restore, save
@@ -76,6 +77,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "framework",
     "observing",
+    "substituting",
     "weight_spec",
     "serving_recipe",
     "pack_weight",
@@ -96,6 +98,7 @@ def quantize(
     packed: bool = False,
     method: str = "__call__",
     implementation: str | None = None,
+    observe: bool = False,
 ):
     """Apply ``rules`` to a Linen module or an NNX model whose code knows nothing of lowbit.
 
@@ -113,6 +116,9 @@ def quantize(
         :func:`lowbit.dot_general` / :func:`lowbit.einsum` call: ``"xla"`` (the emulation,
         the reference), ``"pallas"`` (the Pallas kernels when lowered for CUDA, the emulation
         elsewhere) or None (the best available for the backend).
+      observe: the sites the rules quantize compute in float instead, with ops that know
+        their site path, so that :func:`observing` and :func:`substituting` hooks reach them
+        (calibration, sensitivity scores); the recipes themselves are not applied.
 
     Returns:
       Linen: a :class:`lowbit.flax.linen.Quantized` module with the same parameter tree
@@ -130,10 +136,14 @@ def quantize(
     fw = framework(model)
     check_implementation(implementation)
     if fw == "nnx":
-        return nnx.quantize(model, rules, rngs=rngs, packed=packed, implementation=implementation)
+        return nnx.quantize(
+            model, rules, rngs=rngs, packed=packed, implementation=implementation, observe=observe
+        )
     if rngs is not None:
         raise TypeError(
             "rngs= is for NNX models; a Linen module takes its keys from "
             "apply(..., rngs={'quant': key})"
         )
-    return linen.quantize(model, rules, packed=packed, method=method, implementation=implementation)
+    return linen.quantize(
+        model, rules, packed=packed, method=method, implementation=implementation, observe=observe
+    )

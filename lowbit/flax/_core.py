@@ -200,6 +200,45 @@ def observing(observer):
         _OBSERVER.reset(token)
 
 
+# A callable ``hook(site, gemm, lhs, rhs)`` that computes, in place of its GEMM, the output of
+# every site op that knows its path (see :func:`substituting`); None: GEMMs run as they are.
+_SUBSTITUTE: contextvars.ContextVar = contextvars.ContextVar("lowbit_substitute", default=None)
+
+
+@contextlib.contextmanager
+def substituting(hook):
+    """Within this context every lowbit Flax op that knows its site path (``site=``) returns
+    ``hook(site, gemm, lhs, rhs)`` instead of its GEMM's output, while tracing; ``gemm(lhs,
+    rhs, recipe, key=None)`` is the site's GEMM (its dimension numbers or einsum, its
+    implementation) under any recipe. A smoothing division comes before and a low-rank branch
+    is added after, as without the hook. :mod:`lowbit.autoquant` perturbs and gates site
+    outputs this way (on a model whose sites hold float ops: ``quantize(..., observe=True)``).
+
+    >>> import jax.numpy as jnp, lowbit as lb, lowbit.flax as lbf
+    >>> from flax import nnx
+    >>> probe = lbf.quantize(nnx.Linear(32, 8, rngs=nnx.Rngs(0)), [(".*", "qat_mxfp4")],
+    ...                      observe=True)
+    >>> def hook(site, gemm, lhs, rhs):  # the site as if it ran 'qat_mxfp4'
+    ...     return gemm(lhs, rhs, lb.recipes.get("qat_mxfp4"))
+    >>> with lbf.substituting(hook):
+    ...     y = probe(jnp.ones((4, 32)))
+    >>> bool(jnp.all(y == lbf.quantize(probe, [(".*", "qat_mxfp4")])(jnp.ones((4, 32)))))
+    True
+    """
+    token = _SUBSTITUTE.set(hook)
+    try:
+        yield
+    finally:
+        _SUBSTITUTE.reset(token)
+
+
+def _substitute(site, gemm, lhs, rhs, recipe, key):
+    hook = _SUBSTITUTE.get()
+    if hook is None or site is None:
+        return gemm(lhs, rhs, recipe, key)
+    return hook(site, gemm, lhs, rhs)
+
+
 def _observe(site, lhs, axes) -> None:
     obs = _OBSERVER.get()
     if obs is not None and site is not None:
@@ -264,8 +303,20 @@ def qdot_general(
     if smooth is not None:
         lhs = smooth_lhs(lhs, smooth)
     _observe(site, lhs, dimension_numbers[0][0])
-    y = _qdot_general(lhs, rhs, dimension_numbers, recipe, key, precision,
-                      preferred_element_type, implementation)
+
+    def gemm(lhs, rhs, recipe, key=None):
+        return _qdot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            recipe,
+            key,
+            precision,
+            preferred_element_type,
+            implementation,
+        )
+
+    y = _substitute(site, gemm, lhs, rhs, recipe, key)
     if lowrank is not None:
         y = y + lowrank_branch(lhs, lowrank[0], lowrank[1], y.dtype)
     if out_sharding is not None:
@@ -273,8 +324,9 @@ def qdot_general(
     return y
 
 
-def _qdot_general(lhs, rhs, dimension_numbers, recipe, key, precision, preferred_element_type,
-                  implementation):
+def _qdot_general(
+    lhs, rhs, dimension_numbers, recipe, key, precision, preferred_element_type, implementation
+):
     if recipe.name.endswith(SERVING_SUFFIX) and recipe.is_identity:
         # A pre-quantized weight and a float activation: the GEMM lowbit would run.
         out = jnp.dtype(
@@ -352,15 +404,19 @@ def qeinsum(
     if _OBSERVER.get() is not None and site is not None:
         a, b = eq.split("->")[0].split(",")
         _observe(site, lhs, [i for i, c in enumerate(a) if c in b and c not in eq.split("->")[1]])
-    y = lb.einsum(
-        eq,
-        lhs,
-        rhs,
-        recipe=recipe,
-        key=key,
-        preferred_element_type=preferred_element_type,
-        implementation=implementation,
-    )
+
+    def gemm(lhs, rhs, recipe, key=None):
+        return lb.einsum(
+            eq,
+            lhs,
+            rhs,
+            recipe=recipe,
+            key=key,
+            preferred_element_type=preferred_element_type,
+            implementation=implementation,
+        )
+
+    y = _substitute(site, gemm, lhs, rhs, recipe, key)
     if out_sharding is not None:
         y = jax.lax.with_sharding_constraint(y, out_sharding)
     return y

@@ -317,12 +317,13 @@ def intercept(
     packed: bool = False,
     root: tuple[str, ...] = (),
     implementation: str | None = None,
+    observe: bool = False,
 ):
     """Quantize, per ``rules``, every Linen module called inside this context.
 
     Paths are module paths relative to ``root`` joined by ``/`` (``"mlp/Dense_0"``); see
-    :func:`lowbit.flax.quantize` (also for ``implementation``). Prefer :func:`quantize`,
-    which returns a Module.
+    :func:`lowbit.flax.quantize` (also for ``implementation`` and ``observe``). Prefer
+    :func:`quantize`, which returns a Module.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn, lowbit.flax as lbf
     >>> model = nn.Dense(8)
@@ -334,7 +335,8 @@ def intercept(
     False
     """
     impl = check_implementation(implementation)
-    with nn.intercept_methods(_Interceptor(Rules.of(rules), packed, tuple(root), impl)):
+    interceptor = _Interceptor(Rules.of(rules), packed, tuple(root), impl, observe)
+    with nn.intercept_methods(interceptor):
         yield
 
 
@@ -404,6 +406,7 @@ def quantize(
     packed: bool = False,
     method: str = "__call__",
     implementation: str | None = None,
+    observe: bool = False,
 ) -> Quantized:
     """See :func:`lowbit.flax.quantize`."""
     if not isinstance(module, nn.Module):
@@ -411,7 +414,14 @@ def quantize(
     impl = check_implementation(implementation)
     if module.scope is not None:
         module = module.clone(parent=None)
-    return Quantized(module, Rules.of(rules), packed=packed, method=method, implementation=impl)
+    return Quantized(
+        module,
+        Rules.of(rules),
+        packed=packed,
+        method=method,
+        implementation=impl,
+        observe=observe,
+    )
 
 
 def sites(

@@ -308,6 +308,7 @@ def quantize(
     rngs: nnx.Rngs | None = None,
     packed: bool = False,
     implementation: str | None = None,
+    observe: bool = False,
 ) -> nnx.Module:
     """See :func:`lowbit.flax.quantize`. Returns a new model (``nnx.clone``: new Variables
     sharing the arrays); ``model`` is left as it was. The ops it sets hold ``implementation``
@@ -328,7 +329,9 @@ def quantize(
             r = rules.active(p)
             if r is None:
                 continue
-            if packed:
+            if observe:  # float GEMMs that know their site (hooks reach them)
+                r = _recipes.get("none")
+            elif packed:
                 _core.weight_spec(r, p)
                 s = _core.serving_recipe(r)
                 if s.is_identity and r.fwd.rhs is None:
@@ -342,7 +345,7 @@ def quantize(
                 plan.append((m, "dot_general", op))
                 if getattr(m, "dot_general_cls", None) is not None:
                     plan.append((m, "dot_general_cls", None))
-        elif hasattr(m, "attention_fn"):
+        elif hasattr(m, "attention_fn") and not observe:
             ps = f"{p}/{ATTN_SCORES}" if p else ATTN_SCORES
             pv = f"{p}/{ATTN_VALUES}" if p else ATTN_VALUES
             rs, rv = rules.active(ps), rules.active(pv)

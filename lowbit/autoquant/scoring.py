@@ -1,0 +1,668 @@
+"""Per-site sensitivity scores: what quantizing each site to each candidate costs the model.
+
+Every method runs the model's own ``loss_fn`` on a copy of the model whose sites hold float
+lowbit ops (``lowbit.flax.quantize(..., observe=True)``) and rewrites site outputs through
+:func:`lowbit.flax.substituting`: a site's output ``y`` (its float GEMM) can be replaced by
+``Q(y)``, the same GEMM under a candidate recipe's forward, or moved along ``y + t (Q(y) - y)``.
+
+- ``"isolated"``: the loss with one site at one candidate and every other site float, minus the
+  float loss (one forward per site and candidate; a ``lax.switch`` per site picks the GEMM, so
+  one compiled program serves all of them).
+- ``"gradient"`` (NVIDIA ModelOpt's ``auto_quantize`` score): ``sum((dL/dy * (Q(y) - y))^2)``
+  over output elements and batches, ``dL/dy`` at the float model; every site and candidate from
+  one forward and one backward per batch (a custom VJP computes the candidates' ``Q(y)`` in
+  the backward, next to ``dL/dy``, so nothing per candidate is held between the two).
+- ``"kl"``: ``KL(p_float || p_quantized)`` of the output distributions (``output_fn`` gives the
+  logits), one site quantized at a time.
+- ``"shapley"`` (Aumann-Shapley): for each candidate, every site moves together along
+  ``y + t (Q(y) - y)``; a site's credit is the path integral of ``<dL/dy, Q(y) - y>``, by the
+  midpoint rule over ``steps`` points (a gate per site, so all credits of a point are one
+  ``jax.grad``). The credits add up to the loss change of quantizing all sites at once (exactly
+  so as ``steps`` grows when the path is smooth, i.e. for weight-only candidates), saturation
+  included, which summed isolated scores are not.
+
+Damage is in loss units (mean over batches) for ``"isolated"`` and ``"shapley"``, so sums of
+it predict loss changes; ``"gradient"`` and ``"kl"`` are scores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import pathlib
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import lowbit.flax as lbf
+from lowbit import formats as _formats
+from lowbit import recipes as _recipes
+from lowbit.autoquant.heuristic import classify
+from lowbit.autoquant.solver import recipe_from_json, recipe_to_json
+from lowbit.recipes import Recipe
+
+__all__ = ["METHODS", "FLOAT_BITS", "Scores", "score", "weight_bits"]
+
+METHODS = ("isolated", "gradient", "kl", "shapley")
+FLOAT_BITS = 16.0  # a float weight counts as bf16, as deployed
+TENSOR_SCALE_BITS = 32.0  # one float32 scale per tensor (NVFP4, per-tensor FP8)
+_NONE = _recipes.get("none")
+# any recipe that quantizes: with observe=True the sites it reaches run float ops
+_PROBE = _recipes.get("qat_mxfp8")
+_ATTN_SUFFIXES = ("/" + lbf.ATTN_SCORES, "/" + lbf.ATTN_VALUES)
+
+
+def weight_bits(recipe: Recipe, params: int) -> float:
+    """Storage bits of a weight of ``params`` elements under ``recipe``'s forward: elements
+    plus block scales (and a float32 tensor scale where the format has one); a weight the
+    forward keeps in high precision counts :data:`FLOAT_BITS` per element. (The ``nvfp4``
+    recipe's weights are 16x16 tiles: one E4M3 scale per 256 elements.)
+
+    >>> weight_bits(_recipes.get("mxfp4"), 1024), weight_bits(_recipes.get("nvfp4"), 1024)
+    (4352.0, 4160.0)
+    """
+    spec = recipe.fwd.rhs
+    if spec is None:
+        return FLOAT_BITS * params
+    if spec.granularity == "tensor":
+        return 8.0 * params + TENSOR_SCALE_BITS
+    extra = TENSOR_SCALE_BITS if _formats.get(spec.format).tensor_scale else 0.0
+    return spec.bits_per_element * params + extra
+
+
+# --------------------------------------------------------------------------------------------
+# Scores
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """Damage and cost of every candidate at every site (or group of sites).
+
+    Attributes:
+      sites: site (or group) names, in the order the forward reaches them.
+      candidates: candidate recipe names, ``"none"`` first.
+      damage: ``float64[sites, candidates]``; 0 for ``"none"``.
+      cost: ``float64[sites, candidates]``: weight bits (parameters x bits per element, scales
+        included; float = 16).
+      method: how damage was measured (:data:`METHODS`).
+      params: site (or group) -> number of weight parameters.
+      members: group -> the site paths it holds (a lone site: itself).
+      recipes: candidate name -> :class:`lowbit.Recipe`.
+      batches: batches scored; steps: path points (``"shapley"``); loss: the mean float loss.
+    """
+
+    sites: tuple[str, ...]
+    candidates: tuple[str, ...]
+    damage: np.ndarray
+    cost: np.ndarray
+    method: str
+    params: dict[str, int]
+    members: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    recipes: dict[str, Recipe] = dataclasses.field(default_factory=dict)
+    batches: int = 0
+    steps: int | None = None
+    loss: float | None = None
+
+    def recipe(self, name: str) -> Recipe:
+        """The candidate called ``name``."""
+        if name in self.recipes:
+            return self.recipes[name]
+        return _recipes.get(name)
+
+    def bits(self, choices: dict[str, str]) -> float:
+        """Bits per parameter of an assignment site -> candidate name."""
+        total = sum(self.params[s] for s in self.sites)
+        c = sum(self.cost[i, self.candidates.index(choices[s])] for i, s in enumerate(self.sites))
+        return float(c) / total
+
+    def uniform(self, candidate: str) -> dict[str, str]:
+        """Every site at ``candidate``."""
+        return {s: candidate for s in self.sites}
+
+    def predicted(self, choices: dict[str, str]) -> float:
+        """The summed damage of an assignment."""
+        return float(
+            sum(self.damage[i, self.candidates.index(choices[s])] for i, s in enumerate(self.sites))
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "sites": list(self.sites),
+            "candidates": list(self.candidates),
+            "damage": self.damage.tolist(),
+            "cost": self.cost.tolist(),
+            "method": self.method,
+            "params": dict(self.params),
+            "members": {k: list(v) for k, v in self.members.items()},
+            "recipes": {k: recipe_to_json(v) for k, v in self.recipes.items()},
+            "batches": self.batches,
+            "steps": self.steps,
+            "loss": self.loss,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> Scores:
+        return cls(
+            sites=tuple(d["sites"]),
+            candidates=tuple(d["candidates"]),
+            damage=np.asarray(d["damage"], np.float64),
+            cost=np.asarray(d["cost"], np.float64),
+            method=d["method"],
+            params={k: int(v) for k, v in d["params"].items()},
+            members={k: tuple(v) for k, v in d["members"].items()},
+            recipes={k: recipe_from_json(v) for k, v in d["recipes"].items()},
+            batches=int(d["batches"]),
+            steps=d.get("steps"),
+            loss=d.get("loss"),
+        )
+
+    def save(self, path: str | os.PathLike) -> pathlib.Path:
+        path = pathlib.Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json()))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Scores:
+        return cls.from_json(json.loads(pathlib.Path(path).read_text()))
+
+
+# --------------------------------------------------------------------------------------------
+# The model under hooks
+
+
+@dataclasses.dataclass
+class _Runner:
+    """Runs ``fn(model_or_variables, batch)`` on the probe copy of the model with a hook."""
+
+    fw: str
+    graphdef: Any  # NNX
+    state: Any  # NNX: the probe's state; Linen: the variables
+    module: Any = None  # Linen: the unbound module
+
+    def __call__(self, fn, state, batch, hook):
+        if self.fw == "nnx":
+            from flax import nnx
+
+            model = nnx.merge(self.graphdef, state)
+            with lbf.substituting(hook):
+                return fn(model, batch)
+        with lbf.linen.intercept([(".*", _PROBE)], observe=True), lbf.substituting(hook):
+            return fn(state, batch)
+
+
+def _runner(model, variables) -> _Runner:
+    fw = lbf.framework(model)
+    if fw == "nnx":
+        from flax import nnx
+
+        if variables is not None:
+            raise TypeError("score: variables= is for Linen modules; an NNX model holds its own")
+        probe = lbf.quantize(model, [(".*", _PROBE)], observe=True)
+        graphdef, state = nnx.split(probe)
+        return _Runner("nnx", graphdef, state)
+    if variables is None:
+        if model.scope is None:
+            raise TypeError(
+                f"score: a Linen module needs its variables: pass {type(model).__name__}(...)"
+                ".bind(variables) or variables=..."
+            )
+        model, variables = model.unbind()
+    return _Runner("linen", None, variables, model)
+
+
+def _scalar(out, where: str = "loss_fn"):
+    """The loss of ``loss_fn``'s output: a scalar, or the first item of a (loss, aux) pair."""
+    if isinstance(out, (tuple, list)) and out:
+        out = out[0]
+    shape = getattr(out, "shape", None)
+    dtype = getattr(out, "dtype", None)
+    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        what = f"shape {shape} {dtype}" if shape is not None else type(out).__name__
+        raise ValueError(
+            f"score: {where} must return a scalar float loss (or a (loss, aux) pair), got {what}"
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Sites, groups, candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+    path: str
+    params: int
+
+
+def _discover(run: _Runner, loss_fn, batch) -> list[_Site]:
+    """The weight sites ``loss_fn`` reaches, in forward order (traced, not run)."""
+    seen: dict[str, _Site] = {}
+
+    def hook(site, gemm, lhs, rhs):
+        if site not in seen and not site.endswith(_ATTN_SUFFIXES):
+            seen[site] = _Site(site, int(math.prod(rhs.shape)))
+        return gemm(lhs, rhs, _NONE)
+
+    jax.eval_shape(lambda st, b: _scalar(run(loss_fn, st, b, hook)), run.state, batch)
+    return list(seen.values())
+
+
+def _select(sites: list[_Site], rules) -> list[_Site]:
+    if rules is None:
+        chosen = [s for s in sites if classify(s.path) not in ("embedding", "head", "router")]
+    else:
+        rules = lbf.Rules.of(rules)
+        for rule in rules.rules:
+            if not any(rule.regex.fullmatch(s.path) for s in sites):
+                raise ValueError(
+                    f"score: rule {rule.pattern!r} reaches no weight site that loss_fn runs "
+                    f"(sites: {[s.path for s in sites]})"
+                )
+        chosen = [s for s in sites if rules.active(s.path) is not None]
+    if not chosen:
+        raise ValueError(
+            f"score: no site to score (weight sites that loss_fn runs: {[s.path for s in sites]})"
+        )
+    return chosen
+
+
+def _group_name(paths: Sequence[str]) -> str:
+    """``blocks/0/moe/up``, ``blocks/0/moe/down`` -> ``blocks/0/moe/{up,down}``."""
+    if len(paths) == 1:
+        return paths[0]
+    split = [p.split("/") for p in paths]
+    n = 0
+    while all(len(s) > n + 1 for s in split) and len({s[n] for s in split}) == 1:
+        n += 1
+    head = "/".join(split[0][:n])
+    tails = ",".join("/".join(s[n:]) for s in split)
+    return f"{head}/{{{tails}}}" if head else f"{{{tails}}}"
+
+
+def _groups(sites: list[_Site], groups) -> dict[str, tuple[str, ...]]:
+    """Group name -> member paths (in forward order); ungrouped sites stand alone."""
+    if groups is None:
+        groups = ()
+    if isinstance(groups, (str, re.Pattern)):
+        groups = (groups,)
+    keyed: dict[tuple, list[str]] = {}
+    owner: dict[str, str] = {}
+    for gi, pattern in enumerate(groups):
+        pat = pattern.pattern if isinstance(pattern, re.Pattern) else pattern
+        if not isinstance(pat, str):
+            raise TypeError(f"score: groups[{gi}] must be a regex string, got {pattern!r}")
+        try:
+            rx = re.compile(pat)
+        except re.error as e:
+            raise ValueError(f"score: groups[{gi}]: bad regex {pat!r}: {e}") from None
+        hit = False
+        for s in sites:
+            m = rx.fullmatch(s.path)
+            if m is None:
+                continue
+            hit = True
+            if s.path in owner:
+                raise ValueError(
+                    f"score: site {s.path!r} matches two grouping regexes ({owner[s.path]!r} "
+                    f"and {pat!r})"
+                )
+            owner[s.path] = pat
+            keyed.setdefault((gi, m.groups()), []).append(s.path)
+        if not hit:
+            raise ValueError(
+                f"score: grouping regex {pat!r} matches no scored site (sites: "
+                f"{[s.path for s in sites]})"
+            )
+    out: dict[str, tuple[str, ...]] = {}
+    done: set[tuple] = set()
+    for s in sites:  # forward order: a group stands where its first member does
+        if s.path not in owner:
+            out[s.path] = (s.path,)
+            continue
+        key = next(k for k, v in keyed.items() if s.path in v)
+        if key not in done:
+            done.add(key)
+            out[_group_name(keyed[key])] = tuple(keyed[key])
+    return out
+
+
+def _candidates(candidates) -> list[Recipe]:
+    if isinstance(candidates, (str, Recipe)):
+        candidates = [candidates]
+    try:
+        items = list(candidates)
+    except TypeError:
+        raise TypeError(
+            f"score: candidates must be a list of recipe names or Recipes, got {candidates!r}"
+        ) from None
+    out: list[Recipe] = []
+    for i, c in enumerate(items):
+        try:
+            r = _recipes.get(c)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"score: candidates[{i}]: {e}") from None
+        if r.name in [o.name for o in out]:
+            raise ValueError(f"score: candidates[{i}]: {r.name!r} is listed twice")
+        if r.is_identity and r.name != "none":
+            raise ValueError(
+                f"score: candidates[{i}]: {r.name!r} quantizes nothing; 'none' is always a "
+                "candidate"
+            )
+        out.append(r)
+    out = [r for r in out if r.name != "none"]
+    if not out:
+        raise ValueError("score: candidates holds no recipe that quantizes")
+    return [_NONE, *out]
+
+
+def _forward_only(r: Recipe) -> Recipe:
+    """The forward of ``r`` (backward straight-through): what a site outputs under ``r``."""
+    return Recipe(r.name, fwd=r.fwd, description=r.description, source=r.source)
+
+
+def _needs_key(r: Recipe) -> bool:
+    return r.fwd.stochastic or bool(r.fwd.hadamard and r.fwd.random_signs)
+
+
+# --------------------------------------------------------------------------------------------
+# The methods' programs
+
+
+class _Program:
+    """The jitted programs of one ``score`` call (sites, candidates and model fixed)."""
+
+    def __init__(self, run: _Runner, loss_fn, output_fn, sites: list[str], recipes):
+        self.run, self.loss_fn, self.output_fn = run, loss_fn, output_fn
+        self.index = {p: i for i, p in enumerate(sites)}
+        self.quant = [_forward_only(r) for r in recipes[1:]]  # the candidates but "none"
+
+    def qgemm(self, j: int, i: int, key, gemm, lhs, rhs):
+        """Site ``i``'s GEMM under candidate ``j`` (1-based)."""
+        r = self.quant[j - 1]
+        k = None
+        if _needs_key(r):
+            k = jax.random.fold_in(jax.random.fold_in(key, i), j)
+        return gemm(lhs, rhs, r, k)
+
+    def _float(self, gemm, lhs, rhs):
+        return gemm(lhs, rhs, _NONE)
+
+    # isolated / kl: one site at one candidate per configuration ------------------------------
+
+    def _selected(self, state, batch, sel, key, fn):
+        def hook(site, gemm, lhs, rhs):
+            i = self.index.get(site)
+            if i is None:
+                return self._float(gemm, lhs, rhs)
+            branches = [lambda lhs, rhs: self._float(gemm, lhs, rhs)] + [
+                functools.partial(self.qgemm, j, i, key, gemm)
+                for j in range(1, len(self.quant) + 1)
+            ]
+            return jax.lax.switch(sel[i], branches, lhs, rhs)
+
+        return self.run(fn, state, batch, hook)
+
+    @functools.cached_property
+    def losses(self):
+        """(state, batch, sels [n, sites], key) -> loss per configuration [n]."""
+
+        def one(state, batch, key, sel):
+            return _scalar(self._selected(state, batch, sel, key, self.loss_fn)).astype(jnp.float32)
+
+        @jax.jit
+        def f(state, batch, sels, key):
+            return jax.lax.map(functools.partial(one, state, batch, key), sels)
+
+        return f
+
+    @functools.cached_property
+    def kls(self):
+        """(state, batch, sels [n, sites], key) -> mean KL(float || configuration) [n]."""
+
+        def logp(state, batch, key, sel):
+            out = self._selected(state, batch, sel, key, self.output_fn)
+            return jax.nn.log_softmax(jnp.asarray(out, jnp.float32), axis=-1)
+
+        @jax.jit
+        def f(state, batch, sels, key):
+            base = logp(state, batch, key, jnp.zeros_like(sels[0]))
+
+            def kl(sel):
+                lq = logp(state, batch, key, sel)
+                return jnp.mean(jnp.sum(jnp.exp(base) * (base - lq), axis=-1))
+
+            return jax.lax.map(kl, sels)
+
+        return f
+
+    # gradient: ModelOpt's score from one forward and backward -------------------------------
+
+    @functools.cached_property
+    def gradient(self):
+        """(state, batch, key) -> sum((dL/dy * (Q_j(y) - y))^2) [sites, candidates - 1]."""
+        prog = self
+
+        def tap(i, key, gemm, lhs, rhs, sink):
+            @jax.custom_vjp
+            def f(lhs, sink):
+                return prog._float(gemm, lhs, rhs)
+
+            def fwd(lhs, sink):
+                y, pull = jax.vjp(lambda x: prog._float(gemm, x, rhs), lhs)
+                return y, (lhs, y, pull)
+
+            def bwd(res, g):
+                lhs, y, pull = res
+                (dx,) = pull(g)
+                g32, y32 = g.astype(jnp.float32), y.astype(jnp.float32)
+                s = [
+                    jnp.sum(
+                        jnp.square(
+                            g32 * (prog.qgemm(j, i, key, gemm, lhs, rhs).astype(jnp.float32) - y32)
+                        )
+                    )
+                    for j in range(1, len(prog.quant) + 1)
+                ]
+                return dx, jnp.stack(s).astype(sink.dtype)
+
+            f.defvjp(fwd, bwd)
+            return f(lhs, sink)
+
+        @jax.jit
+        def f(state, batch, key):
+            def loss(sink):
+                def hook(site, gemm, lhs, rhs):
+                    i = self.index.get(site)
+                    if i is None:
+                        return self._float(gemm, lhs, rhs)
+                    return tap(i, key, gemm, lhs, rhs, sink[i])
+
+                return _scalar(self.run(self.loss_fn, state, batch, hook)).astype(jnp.float32)
+
+            sink = jnp.zeros((len(self.index), len(self.quant)), jnp.float32)
+            return jax.grad(loss)(sink)
+
+        return f
+
+    # shapley: credits along the joint path -------------------------------------------------
+
+    @functools.cached_property
+    def path(self):
+        """(state, batch, key, t, j) -> dL/dgate [sites] at the path point where every site
+        outputs ``y + t (Q_j(y) - y)`` (one program for every point and candidate)."""
+
+        @jax.jit
+        def credits(state, batch, key, t, j):
+            def loss(gates):
+                def hook(site, gemm, lhs, rhs):
+                    i = self.index.get(site)
+                    if i is None:
+                        return self._float(gemm, lhs, rhs)
+                    y = self._float(gemm, lhs, rhs)
+                    branches = [
+                        functools.partial(self.qgemm, jj, i, key, gemm)
+                        for jj in range(1, len(self.quant) + 1)
+                    ]
+                    q = jax.lax.switch(j - 1, branches, lhs, rhs)
+                    return y + gates[i].astype(y.dtype) * (q - y)
+
+                return _scalar(self.run(self.loss_fn, state, batch, hook)).astype(jnp.float32)
+
+            return jax.grad(loss)(jnp.full((len(self.index),), t, jnp.float32))
+
+        return credits
+
+
+# --------------------------------------------------------------------------------------------
+# score
+
+
+def score(
+    model,
+    loss_fn: Callable,
+    batches: Iterable,
+    candidates,
+    *,
+    method: str,
+    steps: int = 8,
+    rules=None,
+    groups=None,
+    output_fn: Callable | None = None,
+    variables=None,
+    seed: int = 0,
+) -> Scores:
+    """Score every site of ``model`` at every candidate recipe.
+
+    Args:
+      model: an NNX model, or a Linen module (bound, or with ``variables=``).
+      loss_fn: NNX: ``loss_fn(model, batch) -> scalar``; Linen: ``loss_fn(variables, batch)``
+        calling the module's ``apply`` (a ``(loss, aux)`` pair is also accepted). It must be
+        deterministic (no dropout).
+      batches: an iterable of batches (at least one), read once.
+      candidates: recipe names or :class:`lowbit.Recipe` objects (weight-only and W+A
+        alike); only their forward GEMM matters. ``"none"`` is always a candidate, first.
+      method: ``"isolated"``, ``"gradient"``, ``"kl"`` or ``"shapley"`` (module docstring).
+      steps: ``"shapley"``: path points (the midpoints of ``steps`` intervals of [0, 1]).
+      rules: which sites to score: those a ``lowbit.flax`` rule quantizes (e.g. the output
+        of :func:`lowbit.autoquant.heuristic`; the rules' recipes are not used). Default:
+        every weight site but embeddings, the LM head and MoE routers.
+      groups: regexes of sites that must share a recipe (q/k/v of one attention, the experts
+        of one MoE layer); sites that fullmatch one regex with equal capture groups form a
+        group (``r"blocks/(\\d+)/moe/.*"``: one group per layer) whose damage and cost add.
+      output_fn: ``"kl"``: ``output_fn(model_or_variables, batch) -> logits`` (classes on the
+        last axis).
+      variables: Linen: the module's variables (when ``model`` is not bound).
+      seed: keys of candidates whose forward draws random numbers (stochastic rounding,
+        random Hadamard signs): fixed per batch, site and candidate.
+
+    Returns:
+      :class:`Scores` (costs in weight bits; damage as the method measures it).
+
+    Raises ``ValueError`` naming the problem: an unknown method, a loss that is not a scalar, a
+    candidate that names no recipe, a grouping regex that matches nothing, empty batches.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)), nnx.relu,
+    ...                        nnx.Linear(64, 8, rngs=nnx.Rngs(1)))
+    >>> batches = [jax.random.normal(jax.random.key(i), (16, 32)) for i in range(2)]
+    >>> loss = lambda m, x: jnp.mean(m(x) ** 2)
+    >>> s = score(model, loss, batches, ["mxfp8", "mxfp4"], method="isolated")
+    >>> s.sites, s.candidates, s.damage.shape, s.cost[0].tolist()
+    (('layers/0', 'layers/2'), ('none', 'mxfp8', 'mxfp4'), (2, 3), [32768.0, 16896.0, 8704.0])
+    """
+    if method not in METHODS:
+        raise ValueError(f"score: unknown method={method!r}; valid methods: {METHODS}")
+    if not callable(loss_fn):
+        raise TypeError(f"score: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if method == "kl" and output_fn is None:
+        raise ValueError(
+            "score: method='kl' needs output_fn(model, batch) -> logits (the distributions "
+            "whose divergence is measured)"
+        )
+    if method == "shapley" and (not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"score: steps must be a positive int, got {steps!r}")
+    recipes = _candidates(candidates)
+    run = _runner(model, variables)
+    it = iter(batches)
+    first = next(it, None)
+    if first is None:
+        raise ValueError("score: batches is empty; scoring needs at least one batch")
+    reached = _discover(run, loss_fn, first)
+    if method == "kl":
+        jax.eval_shape(
+            lambda st, b: run(output_fn, st, b, lambda s, g, lhs, rhs: g(lhs, rhs, _NONE)),
+            run.state,
+            first,
+        )
+    chosen = _select(reached, rules)
+    paths = [s.path for s in chosen]
+    prog = _Program(run, loss_fn, output_fn, paths, recipes)
+    n_s, n_c = len(paths), len(recipes)
+    base = jax.random.key(seed)
+    damage = np.zeros((n_s, n_c))
+    losses = []
+    n = 0
+    for b, batch in enumerate(_chain(first, it)):
+        key = jax.random.fold_in(base, b)
+        if method in ("isolated", "kl"):
+            sels = np.zeros((1 + n_s * (n_c - 1), n_s), np.int32)
+            for i in range(n_s):
+                for j in range(1, n_c):
+                    sels[1 + i * (n_c - 1) + (j - 1), i] = j
+            if method == "isolated":
+                out = np.asarray(prog.losses(run.state, batch, jnp.asarray(sels), key), np.float64)
+                losses.append(out[0])
+                damage[:, 1:] += (out[1:] - out[0]).reshape(n_s, n_c - 1)
+            else:
+                out = np.asarray(prog.kls(run.state, batch, jnp.asarray(sels[1:]), key), np.float64)
+                damage[:, 1:] += out.reshape(n_s, n_c - 1)
+        elif method == "gradient":
+            damage[:, 1:] += np.asarray(prog.gradient(run.state, batch, key), np.float64)
+        else:
+            for j in range(1, n_c):  # the midpoint rule along candidate j's path
+                for k in range(steps):
+                    t = np.float32((k + 0.5) / steps)
+                    g = prog.path(run.state, batch, key, t, np.int32(j))
+                    damage[:, j] += np.asarray(g, np.float64) / steps
+        n += 1
+    if method in ("isolated", "kl", "shapley"):
+        damage /= n
+    members = _groups(chosen, groups)
+    params_of = {s.path: s.params for s in chosen}
+    row = {p: i for i, p in enumerate(paths)}
+    g_damage = np.zeros((len(members), n_c))
+    g_cost = np.zeros((len(members), n_c))
+    g_params = {}
+    for gi, (name, ps) in enumerate(members.items()):
+        for p in ps:
+            g_damage[gi] += damage[row[p]]
+            g_cost[gi] += [weight_bits(r, params_of[p]) for r in recipes]
+        g_params[name] = sum(params_of[p] for p in ps)
+    return Scores(
+        sites=tuple(members),
+        candidates=tuple(r.name for r in recipes),
+        damage=g_damage,
+        cost=g_cost,
+        method=method,
+        params=g_params,
+        members=members,
+        recipes={r.name: r for r in recipes},
+        batches=n,
+        steps=steps if method == "shapley" else None,
+        loss=float(np.mean(losses)) if losses else None,
+    )
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
