@@ -4,6 +4,7 @@ Aumann-Shapley completeness, the presets on the GPTs, plans, and the errors."""
 from __future__ import annotations
 
 import itertools
+import json
 import re
 
 import flax.linen as nn
@@ -379,3 +380,15 @@ def test_experts_only_needs_experts():
         aq.heuristic(_gpt("dense"), "experts_only")
     with pytest.raises(ValueError, match="unknown preset='attn_only'"):
         aq.heuristic(_gpt("dense"), "attn_only")
+
+
+def test_bench_autoquant_quick_reports_the_ratios(tmp_path):
+    from benchmarks import bench_autoquant
+
+    out = tmp_path / "bench_autoquant.json"
+    args = ["--quick", "--runs", "1", "--batches", "2", "--methods", "gradient"]
+    payload = bench_autoquant.main([*args, "--out", str(out)])
+    assert json.loads(out.read_text())["config"]["sites"] == 4
+    rows = {r["what"]: r for r in payload["rows"]}
+    assert rows["gradient"]["ok"] == (rows["gradient"]["x_float"] <= 3.0)
+    assert rows["float forward+backward"]["per_batch_ms"] > 0

@@ -522,6 +522,27 @@ class _Program:
         return credits
 
 
+# Compiled programs of recent calls, so that scoring the same model again (more batches, another
+# budget study, a benchmark) does not trace and compile again: (model structure, loss_fn,
+# output_fn, sites, candidates) -> _Program.
+_PROGRAMS: dict[tuple, _Program] = {}
+_PROGRAMS_KEPT = 8
+
+
+def _program(run: _Runner, loss_fn, output_fn, paths, recipes) -> _Program:
+    structure = run.graphdef if run.fw == "nnx" else run.module
+    key = (run.fw, structure, loss_fn, output_fn, tuple(paths), tuple(recipes))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable model structure or function: no reuse
+        return _Program(run, loss_fn, output_fn, paths, recipes)
+    if key not in _PROGRAMS:
+        while len(_PROGRAMS) >= _PROGRAMS_KEPT:
+            _PROGRAMS.pop(next(iter(_PROGRAMS)))
+        _PROGRAMS[key] = _Program(run, loss_fn, output_fn, paths, recipes)
+    return _PROGRAMS[key]
+
+
 # --------------------------------------------------------------------------------------------
 # score
 
@@ -606,7 +627,7 @@ def score(
         )
     chosen = _select(reached, rules)
     paths = [s.path for s in chosen]
-    prog = _Program(run, loss_fn, output_fn, paths, recipes)
+    prog = _program(run, loss_fn, output_fn, paths, recipes)
     n_s, n_c = len(paths), len(recipes)
     base = jax.random.key(seed)
     damage = np.zeros((n_s, n_c))
