@@ -92,6 +92,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.quant.high_precision = r"embed|pos_embed|head|.*/router"
     # None (the best for the backend) | "xla" | "pallas": see the module docstring.
     c.quant.implementation = config_dict.placeholder(str)
+    # A saved lowbit.autoquant.Plan (experiments/autoquant.py writes them): its sites get their
+    # planned recipes, before high_precision and recipe apply. None: no plan.
+    c.quant.plan = config_dict.placeholder(str)
 
     c.data = ml_collections.ConfigDict()
     c.data.path = ""  # "" = Shakespeare (fetched once into cache_dir); or a text file / folder

@@ -36,7 +36,6 @@ vectors and low-rank branches) and of the whole model. Written to ``runs/<name>/
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import sys
@@ -73,40 +72,6 @@ def recipe_of(fmt: str) -> str:
     return FORMATS[fmt]
 
 
-def _split(s: str) -> list[str]:
-    return [x.strip() for x in str(s).split(",") if x.strip()]
-
-
-def _variant(base, *, recipe: str, name: str, steps: int, lr: float, init_from: str):
-    c = copy.deepcopy(base)
-    c.quant.recipe = recipe
-    c.name = name
-    c.init_from = init_from
-    c.train.steps = steps
-    c.train.lr = lr
-    c.train.warmup_steps = max(0, steps // 10)
-    c.train.eval_every = 0
-    c.train.checkpoint_every = 0
-    return c
-
-
-def _run(cfg: training.RunConfig, log) -> Path:
-    """Train ``cfg`` unless it finished earlier with the same config (then reuse it)."""
-    d = cfg.run_dir
-    try:
-        summary = json.loads((d / "summary.json").read_text())
-        saved = json.loads((d / "config.json").read_text())
-        if summary.get("step") == cfg.train.steps and not training.config_diff(
-            saved, cfg.to_json()
-        ):
-            log(f"{cfg.name}: finished earlier with this config, reused")
-            return d
-    except (OSError, json.JSONDecodeError):
-        pass
-    training.train(cfg, resume=(d / "checkpoints").exists(), log=log)
-    return d
-
-
 def _metrics(cfg, model, n_eval) -> dict:
     return training.evaluate(cfg, model, max_batches=n_eval)
 
@@ -114,8 +79,8 @@ def _metrics(cfg, model, n_eval) -> dict:
 def run_study(c, *, log: Callable[[str], None] = print) -> dict:
     """Run the study of the ConfigDict ``c`` (``configs/ptq_vs_qat.py``); returns the results
     written to ``ptq_vs_qat.json``."""
-    formats = _split(c.formats)
-    methods = _split(c.methods)
+    formats = training.split_list(c.formats)
+    methods = training.split_list(c.methods)
     for f in formats:
         recipe_of(f)
     for m in methods:
@@ -129,7 +94,7 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     group = compare.group_of(base_cfg.name)
     t0 = time.perf_counter()
-    float_dir = _run(base_cfg, log)
+    float_dir = training.train_or_reuse(base_cfg, log)
     cfg, model = training.load_trained(float_dir)
     n_eval = int(c.eval_batches) or None
     float_m = _metrics(cfg, model, n_eval)
@@ -182,16 +147,19 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
             add(fmt, "svdquant", ptq.quantize(model, rules, cal_v, weights="mse", smoothing=sv),
                 {"alpha": sv.alpha, "rank": sv.rank})
         if int(c.qat_steps) > 0:
-            qc = _variant(base, recipe=recipe, name=f"{group}/qat-{recipe}-s{cfg.seed}",
-                          steps=int(c.qat_steps), lr=float(c.qat_lr),
-                          init_from=str(float_dir))
-            _, qmodel = training.load_trained(_run(training.RunConfig.from_config(qc), log))
+            qc = training.fine_tune_config(
+                base, recipe=recipe, name=f"{group}/qat-{recipe}-s{cfg.seed}",
+                steps=int(c.qat_steps), lr=float(c.qat_lr), init_from=str(float_dir))
+            qdir = training.train_or_reuse(training.RunConfig.from_config(qc), log)
+            _, qmodel = training.load_trained(qdir)
             add(fmt, "qat", ptq.quantize(qmodel, rules), {"qat_steps": int(c.qat_steps)})
     control = None
     if c.float_control and int(c.qat_steps) > 0:
-        fc = _variant(base, recipe="none", name=f"{group}/float-ft-s{cfg.seed}",
-                      steps=int(c.qat_steps), lr=float(c.qat_lr), init_from=str(float_dir))
-        _, fmodel = training.load_trained(_run(training.RunConfig.from_config(fc), log))
+        fc = training.fine_tune_config(
+            base, recipe="none", name=f"{group}/float-ft-s{cfg.seed}",
+            steps=int(c.qat_steps), lr=float(c.qat_lr), init_from=str(float_dir))
+        fdir = training.train_or_reuse(training.RunConfig.from_config(fc), log)
+        _, fmodel = training.load_trained(fdir)
         control = _metrics(cfg, fmodel, n_eval)
         log(f"float+ft: {control}")
     result = {

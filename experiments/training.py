@@ -86,6 +86,7 @@ from experiments import vision
 from experiments.configlib import ConfigError, to_dataclass, to_plain
 from experiments.model import GPT, GPTConfig
 from experiments.model import loss_fn as gpt_loss_fn
+from lowbit import autoquant
 from lowbit.dot_general import check_implementation
 
 __all__ = [
@@ -109,6 +110,9 @@ __all__ = [
     "remove_run",
     "evaluate",
     "calibration_batches",
+    "train_or_reuse",
+    "fine_tune_config",
+    "split_list",
 ]
 
 AXES = ("data", "fsdp")
@@ -165,6 +169,9 @@ class QuantConfig:
     recipe: str = "none"
     high_precision: str = r"embed|pos_embed|head|.*/router"
     implementation: str | None = None
+    # A saved lowbit.autoquant.Plan (JSON; None: no plan): its sites get their planned recipes
+    # ("none" included) before high_precision and recipe apply. Stored as an absolute path.
+    plan: str | None = None
 
     def __post_init__(self):
         try:
@@ -172,6 +179,23 @@ class QuantConfig:
         except (ValueError, KeyError) as e:
             raise ValueError(f"quant.recipe: {e}") from None
         check_implementation(self.implementation, "quant.implementation")
+        if self.plan is not None:
+            if not isinstance(self.plan, str | os.PathLike) or not str(self.plan):
+                raise ValueError(f"quant.plan: expected a plan file (a path) or None, got "
+                                 f"{self.plan!r}")
+            path = str(Path(self.plan).expanduser().resolve())
+            try:
+                autoquant.Plan.load(path)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"quant.plan={str(self.plan)!r}: {e}") from None
+            object.__setattr__(self, "plan", path)  # resolved once, as init_from is
+
+    def recipes(self) -> list:
+        """Every recipe the rules use: ``recipe`` and the plan's."""
+        out = [lb.recipes.get(self.recipe)]
+        if self.plan is not None:
+            out += list(autoquant.Plan.load(self.plan).recipes.values())
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,19 +432,20 @@ def _check_hadamard_fits(cfg: RunConfig) -> None:
     (``model.seq_len``), the patch tokens of a ViT's batch (``train.batch_size *
     model.num_patches``, its linear layers seeing ``[batch * patches, features]``)."""
     q = cfg.quant
-    r = lb.recipes.get(q.recipe)
-    feats = [g.hadamard for g in (r.fwd, r.dlhs) if g.hadamard]
-    tokens = r.drhs.hadamard
     feature_axes, token_axes = _family(cfg).contraction_axes(cfg)
-    checks = [(h, name, n) for name, n in feature_axes for h in feats]
-    if tokens:
-        checks += [(tokens, name, n) for name, n in token_axes]
-    for h, name, n in checks:
-        if n % h:
-            raise ConfigError(
-                f"quant.recipe={q.recipe!r} applies Hadamard transforms of {h} along GEMM "
-                f"contraction axes: {name}={n} must be a multiple of {h}"
-            )
+    for r in q.recipes():
+        feats = [g.hadamard for g in (r.fwd, r.dlhs) if g.hadamard]
+        tokens = r.drhs.hadamard
+        checks = [(h, name, n) for name, n in feature_axes for h in feats]
+        if tokens:
+            checks += [(tokens, name, n) for name, n in token_axes]
+        where = "quant.recipe" if r.name == q.recipe else "quant.plan's recipe"
+        for h, name, n in checks:
+            if n % h:
+                raise ConfigError(
+                    f"{where}={r.name!r} applies Hadamard transforms of {h} along GEMM "
+                    f"contraction axes: {name}={n} must be a multiple of {h}"
+                )
 
 
 # Fields that may differ between a run and its resumption (they do not change the numbers).
@@ -460,9 +485,12 @@ class RunResult:
 # Model, rules, mesh, shardings
 
 
-def quant_rules(q: QuantConfig) -> list[tuple[str, str]]:
-    """``lowbit.flax`` rules: high-precision modules first, everything else under the recipe."""
-    rules = []
+def quant_rules(q: QuantConfig) -> list[tuple[str, str | lb.Recipe]]:
+    """``lowbit.flax`` rules: the plan's sites first (``quant.plan``: each its planned recipe),
+    then the high-precision modules, everything else under the recipe."""
+    rules: list = []
+    if q.plan is not None:
+        rules += autoquant.Plan.load(q.plan).rules()
     if q.high_precision:
         rules.append((q.high_precision, "none"))
     rules.append((r".*", q.recipe))
@@ -1153,6 +1181,7 @@ def evaluate(
     model: nnx.Module,
     *,
     max_batches: int | None = None,
+    batches: list[dict] | None = None,
     log: Callable[[str], None] = _quiet,
 ) -> dict[str, float]:
     """The validation metrics of ``model`` on the batches the final eval of a run of ``cfg``
@@ -1164,14 +1193,18 @@ def evaluate(
     :class:`lowbit.flax.nnx.PackedModel`. Each batch runs through one ``nnx.jit`` (on the
     default device, not sharded); a model with rng streams (stochastic rounding) advances them.
     For a run of recipe ``none`` and its :func:`load_trained` model, the metrics equal the
-    run's final ``summary.json`` values (a single-device run)."""
+    run's final ``summary.json`` values (a single-device run).
+
+    ``batches``: evaluate on these batches instead, e.g. ``calibration_batches(cfg, n,
+    full=True)`` (the same jitted program and reduction; the keys keep their ``val_`` names)."""
     family = _family(cfg)
     n = cfg.train.eval_batches
     if max_batches is not None:
         if isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1:
             raise ValueError(f"max_batches must be a positive int or None, got {max_batches!r}")
         n = min(n, max_batches)
-    batches = family.eval_batches(cfg, family.load(cfg, log=log), n)
+    if batches is None:
+        batches = family.eval_batches(cfg, family.load(cfg, log=log), n)
     outs = [
         _eval_outputs(model, {k: jnp.asarray(v) for k, v in b.items()}, cfg.family)
         for b in batches
@@ -1180,17 +1213,61 @@ def evaluate(
 
 
 def calibration_batches(
-    cfg: RunConfig, n: int, *, log: Callable[[str], None] = _quiet
-) -> list[np.ndarray]:
+    cfg: RunConfig, n: int, *, full: bool = False, log: Callable[[str], None] = _quiet
+) -> list:
     """``n`` batches of model inputs from the training split (never validation), each of
     ``cfg.train.batch_size`` examples: token windows ``int32 [B, seq_len]`` (GPT) or images
-    ``float32 [B, 8, 8]`` (ViT). Deterministic: the first ``n`` training batches of a run of
-    ``cfg`` (its seed's shuffle), the same on every call."""
+    ``float32 [B, 8, 8]`` (ViT); with ``full``, the whole batches as the family's loss takes
+    them (dicts with ``"inputs"`` and ``"targets"``, ...). Deterministic: the first ``n``
+    training batches of a run of ``cfg`` (its seed's shuffle), the same on every call."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
     family = _family(cfg)
     stream = family.batches(cfg, family.load(cfg, log=log))
-    return [next(stream)["inputs"] for _ in range(n)]
+    return [(dict(b) if full else b["inputs"]) for b in (next(stream) for _ in range(n))]
+
+
+def train_or_reuse(cfg: RunConfig, log: Callable[[str], None] = print) -> Path:
+    """Train ``cfg`` unless its run finished earlier with the same config (then reuse it; an
+    unfinished run with checkpoints is resumed). Returns the run directory."""
+    d = cfg.run_dir
+    try:
+        summary = json.loads((d / "summary.json").read_text())
+        saved = json.loads((d / "config.json").read_text())
+        if summary.get("step") == cfg.train.steps and not config_diff(saved, cfg.to_json()):
+            log(f"{cfg.name}: finished earlier with this config, reused")
+            return d
+    except (OSError, json.JSONDecodeError):
+        pass
+    train(cfg, resume=(d / "checkpoints").exists(), log=log)
+    return d
+
+
+def split_list(s) -> list[str]:
+    """The items of a comma-separated config string (``"mxfp4, nvfp4"`` -> two names)."""
+    return [x.strip() for x in str(s).split(",") if x.strip()]
+
+
+def fine_tune_config(base, *, recipe: str, name: str, steps: int, lr: float, init_from: str,
+                     plan: str | None = None):
+    """A copy of the ConfigDict ``base`` (``configs/gpt.py``'s, ``configs/digits.py``'s) for a
+    short fine-tune from the run ``init_from`` under ``recipe`` (and ``plan``, a saved
+    :class:`lowbit.autoquant.Plan`): ``steps`` steps at peak ``lr`` after a ``steps // 10``
+    warmup, evaluated and checkpointed only at the end."""
+    import copy
+
+    c = copy.deepcopy(base)
+    c.quant.recipe = recipe
+    if plan is not None:
+        c.quant.plan = str(plan)
+    c.name = name
+    c.init_from = init_from
+    c.train.steps = steps
+    c.train.lr = lr
+    c.train.warmup_steps = max(0, steps // 10)
+    c.train.eval_every = 0
+    c.train.checkpoint_every = 0
+    return c
 
 
 class _NoBar:

@@ -1,0 +1,497 @@
+"""Per-layer precision under a bit budget: which sensitivity score picks the best plan?
+
+    python -m experiments.autoquant --config configs/autoquant.py:mlp=dense,size=xs
+    python -m experiments.autoquant --config configs/autoquant.py:mlp=moe,size=xs
+
+For the float GPT of ``config.base`` (trained here, or reused when it finished with the same
+config) this study
+
+1. scores every weight site (attention ``qkv`` / ``out``, MLP ``up`` / ``down`` or the MoE
+   experts; embeddings, LM head and router stay float) at every candidate (``none`` and the
+   forward-only ``qat_mxfp8``, ``qat_mxfp6``, ``qat_nvfp4``, ``qat_mxfp4``) with every method of
+   :func:`lowbit.autoquant.score` on ``calib_batches`` training batches: the loss is the GPT's
+   cross-entropy (the MoE balancing loss left out: it is not what validation measures), the
+   ``"kl"`` outputs its logits. Each method's scoring is timed (compilation included).
+   A MoE layer's experts are two ``Einsum`` sites (``moe/up``, ``moe/down``, every expert in
+   one kernel); they are grouped per layer (``blocks/(\\d+)/moe/(?:up|down)``) so that a
+   layer's experts run one format: a grouped expert GEMM takes one operand format for the whole
+   layer, and the two halves of an expert interact through the routing and the capacity drops,
+   which a per-site score would split arbitrarily;
+2. solves (:func:`lowbit.autoquant.solve`, the exact knapsack) each method's scores for every
+   budget in ``budgets`` (bits per parameter over the scored weights, scales included, float
+   = 16), saves the plans (``plans/<method>-<bits>.json``, loadable by
+   ``--config.quant.plan``) and measures each by post-training quantization
+   (:func:`lowbit.ptq.simulate` with the plan's rules: weights and activations fake-quantized
+   with dynamic scales) on the validation batches (:func:`experiments.training.evaluate`, as
+   the PTQ study evaluates), and on the calibration batches;
+3. measures the architecture presets (:func:`lowbit.autoquant.heuristic`: ``all``,
+   ``mlp_only``, ``experts_only`` for MoE) for every ``heuristic_low`` x ``heuristic_high``,
+   each at the bits the same cost function gives it (``Scores.bits``), and (``matched``) every
+   method's plan solved at exactly those bits;
+4. checks the additivity of the scores in loss units: per candidate, the summed Shapley
+   credits (and the summed isolated damages) over the measured calibration-loss change of
+   quantizing every site with it (Aumann-Shapley completeness: near 1; isolated: reported,
+   it ignores interactions).
+
+``qat_steps > 0`` adds a short QAT of each budget's best plan from the float checkpoint
+(``init_from`` + ``quant.plan``), measured the same way. Written to ``runs/<name>/``:
+``autoquant.json`` (scores, plans, measured losses, timings), ``autoquant.md`` (tables) and
+``autoquant.png`` (validation loss against bits per parameter, one series per method and the
+heuristics, with each series' Pareto front).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import lowbit as lb
+import lowbit.autoquant as aq
+import lowbit.ptq as ptq
+from experiments import compare, training
+from experiments.configlib import ConfigError
+from experiments.model import loss_fn as gpt_loss_fn
+
+__all__ = [
+    "MOE_GROUPS",
+    "cross_entropy",
+    "logits",
+    "pareto",
+    "run_study",
+    "render_markdown",
+    "plot",
+    "write",
+    "main",
+]
+
+# One group per MoE layer: its experts' up and down GEMMs share a format (module docstring).
+MOE_GROUPS = (r"blocks/(\d+)/moe/(?:up|down)",)
+
+
+def cross_entropy(model, batch) -> jax.Array:
+    """The GPT's mean next-token cross-entropy (what ``val_loss`` measures; no MoE aux)."""
+    return gpt_loss_fn(model, batch)[1]["loss"]
+
+
+def logits(model, batch) -> jax.Array:
+    """The GPT's logits ``[B, T, vocab]`` (the distributions the ``"kl"`` method compares)."""
+    return model(batch["inputs"])[0]
+
+
+def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other point beats in both coordinates (fewer bits, lower loss), by bits.
+
+    >>> pareto([(4.5, 2.0), (5.0, 1.9), (5.0, 2.1), (6.0, 1.95), (8.0, 1.8)])
+    [(4.5, 2.0), (5.0, 1.9), (8.0, 1.8)]
+    """
+    out: list[tuple[float, float]] = []
+    for b, v in sorted(points, key=lambda p: (p[0], p[1])):
+        if not out or v < out[-1][1]:  # (sorted: a later point at equal bits is worse)
+            out.append((b, v))
+    return out
+
+
+def _floats(s, field: str) -> list[float]:
+    try:
+        return [float(x) for x in training.split_list(s)]
+    except ValueError:
+        raise ConfigError(f"config.{field}: expected comma-separated numbers, got {s!r}") from None
+
+
+def _recipes(s, field: str) -> list[str]:
+    out = []
+    for n in training.split_list(s):
+        try:
+            out.append(lb.recipes.get(n).name)
+        except ValueError as e:
+            raise ConfigError(f"config.{field}: {e}") from None
+    return out
+
+
+def _counts(choices: dict[str, str], members: dict[str, tuple[str, ...]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for g, r in choices.items():
+        out[r] = out.get(r, 0) + len(members[g])
+    return out
+
+
+def _choices_of(rules, scores: aq.Scores) -> dict[str, str]:
+    """rules (escaped site paths -> recipe) as a group -> recipe-name assignment; the sites
+    of a group must agree."""
+    by_path = {}
+    for pat, r in rules:
+        for members in scores.members.values():
+            for p in members:
+                if re.fullmatch(pat, p) and p not in by_path:
+                    by_path[p] = lb.recipes.get(r).name
+    out = {}
+    for g, members in scores.members.items():
+        names = {by_path.get(p, "none") for p in members}
+        if len(names) != 1:
+            raise ValueError(f"rules give the members of group {g!r} different recipes: {names}")
+        out[g] = names.pop()
+    return out
+
+
+def _rules(choices: dict[str, str], scores: aq.Scores) -> list:
+    return [
+        (re.escape(p), scores.recipe(r)) for g, r in choices.items() for p in scores.members[g]
+    ]
+
+
+def run_study(c, *, log: Callable[[str], None] = print) -> dict:
+    """Run the study of the ConfigDict ``c`` (``configs/autoquant.py``); returns the results
+    written to ``autoquant.json``."""
+    candidates = _recipes(c.candidates, "candidates")
+    methods = training.split_list(c.methods)
+    for m in methods:
+        if m not in aq.METHODS:
+            raise ConfigError(f"config.methods: unknown method {m!r}; expected some of "
+                              f"{aq.METHODS}")
+    budgets = _floats(c.budgets, "budgets")
+    lows = _recipes(c.heuristic_low, "heuristic_low")
+    highs = _recipes(c.heuristic_high, "heuristic_high")
+    base_cfg = training.RunConfig.from_config(c.base)
+    out_dir = Path(c.workdir) / c.name
+    (out_dir / "plans").mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    float_dir = training.train_or_reuse(base_cfg, log)
+    cfg, model = training.load_trained(float_dir)
+    eval_cfg = cfg
+    if int(c.eval_batches):
+        eval_cfg = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, eval_batches=int(c.eval_batches))
+        )
+    batches = [
+        {k: jnp.asarray(v) for k, v in b.items()}
+        for b in training.calibration_batches(cfg, int(c.calib_batches), full=True)
+    ]
+    groups = MOE_GROUPS if cfg.model.mlp == "moe" else None
+
+    measured: dict[tuple, dict] = {}
+
+    def measure(rules, calib: bool) -> dict:
+        """Validation loss (and with ``calib`` the calibration-batch loss) of the float model
+        under ``rules`` (cached per quantized site set)."""
+        key = tuple(sorted((p, lb.recipes.get(r).name) for p, r in rules
+                           if not lb.recipes.get(r).is_identity))
+        if not key and rules:  # every site "none": measured through the rules all the same
+            key = ("none",)
+        if key not in measured:
+            m = ptq.simulate(model, rules) if rules else model
+            measured[key] = {"model": m, "val_loss": training.evaluate(eval_cfg, m)["val_loss"]}
+        rec = measured[key]
+        if calib and "calib_loss" not in rec:
+            rec["calib_loss"] = training.evaluate(eval_cfg, rec["model"], batches=batches)[
+                "val_loss"
+            ]
+        return {k: v for k, v in rec.items() if k != "model"}
+
+    fl = measure([], calib=True)
+    log(f"float: val_loss {fl['val_loss']:.4f}, calib_loss {fl['calib_loss']:.4f}")
+
+    def point(rules, extra, calib: bool = False) -> dict:
+        m = measure(rules, calib)
+        out = {**extra, **m, "delta_val": m["val_loss"] - fl["val_loss"]}
+        if calib:
+            out["delta_calib"] = m["calib_loss"] - fl["calib_loss"]
+        return out
+
+    scores: dict[str, aq.Scores] = {}
+    timings: dict[str, float] = {}
+    for method in methods:
+        t = time.perf_counter()
+        s = aq.score(model, cross_entropy, batches, candidates, method=method,
+                     steps=int(c.shapley_steps), groups=groups,
+                     output_fn=logits if method == "kl" else None, seed=int(c.seed))
+        jax.block_until_ready(s.damage)
+        timings[method] = time.perf_counter() - t
+        scores[method] = s
+        log(f"score {method}: {timings[method]:.1f}s ({len(s.sites)} sites/groups)")
+    ref = scores[methods[0]]
+    none_choices = ref.uniform("none")
+    none_plan = point(_rules(none_choices, ref), {"bits": ref.bits(none_choices)}, calib=True)
+
+    uniform = []
+    for cand in candidates:
+        ch = ref.uniform(cand)
+        rec = point(_rules(ch, ref), {"recipe": cand, "bits": ref.bits(ch)}, calib=True)
+        rec["predicted"] = {m: s.predicted(ch) for m, s in scores.items()}
+        uniform.append(rec)
+        log(f"uniform {cand}: bits {rec['bits']:.3f} delta_val {rec['delta_val']:+.4f}")
+    completeness = []
+    for rec in uniform:
+        row = {"recipe": rec["recipe"], "delta_calib": rec["delta_calib"]}
+        for m in ("shapley", "isolated"):
+            if m in scores:
+                row[f"sum_{m}"] = rec["predicted"][m]
+                row[f"ratio_{m}"] = (rec["predicted"][m] / rec["delta_calib"]
+                                     if rec["delta_calib"] else None)
+        completeness.append(row)
+
+    def plan_point(method: str, bits: float, kind: str) -> dict | None:
+        s = scores[method]
+        try:
+            plan = aq.solve(s, bits=bits)
+        except ValueError as e:
+            log(f"{method} at {bits:g} bits: {e}")
+            return None
+        suffix = "" if kind == "budget" else f"-{kind}"
+        path = out_dir / "plans" / f"{method}-{bits:.4g}{suffix}.json"
+        plan.save(path)
+        rec = point(plan.rules(), {
+            "method": method, "kind": kind, "budget": bits, "bits": plan.bits,
+            "predicted": plan.predicted, "counts": plan.counts(), "choices": plan.choices,
+            "plan_file": str(path),
+        })
+        log(f"{method:9s} budget {bits:6.3f}: bits {plan.bits:.3f} predicted "
+            f"{plan.predicted:+.4g} delta_val {rec['delta_val']:+.4f}")
+        return rec
+
+    plans = [p for m in methods for b in budgets if (p := plan_point(m, b, "budget"))]
+
+    heuristics = []
+    seen = set()
+    for preset in aq.PRESETS:
+        for low in lows:
+            for high in highs:
+                try:
+                    rules = aq.heuristic(model, preset, low=low, high=high)
+                except ValueError:  # experts_only on a dense model
+                    continue
+                ch = _choices_of(rules, ref)
+                key = tuple(sorted(ch.items()))
+                if key in seen:
+                    continue
+                seen.add(key)
+                rec = point(_rules(ch, ref), {
+                    "preset": preset, "low": low, "high": high, "bits": ref.bits(ch),
+                    "counts": _counts(ch, ref.members),
+                    "predicted": {m: s.predicted(ch) for m, s in scores.items()},
+                })
+                heuristics.append(rec)
+                log(f"heuristic {preset}/{low}/{high}: bits {rec['bits']:.3f} delta_val "
+                    f"{rec['delta_val']:+.4f}")
+    if c.matched:
+        for h in heuristics:
+            for m in methods:
+                p = plan_point(m, h["bits"], "matched")
+                if p is not None:
+                    p["heuristic"] = f"{h['preset']}/{h['low']}/{h['high']}"
+                    plans.append(p)
+
+    qat = []
+    if int(c.qat_steps) > 0:
+        group = compare.group_of(base_cfg.name)
+        for b in _floats(c.qat_budgets, "qat_budgets") or budgets:
+            at = [p for p in plans if p["kind"] == "budget" and p["budget"] == b]
+            if not at:
+                continue
+            best = min(at, key=lambda p: p["val_loss"])
+            tag = f"{best['method']}-{b:g}"
+            qc = training.fine_tune_config(
+                c.base, recipe="none", name=f"{group}/qat-plan-{tag}-s{cfg.seed}",
+                steps=int(c.qat_steps), lr=float(c.qat_lr), init_from=str(float_dir),
+                plan=str(Path(best["plan_file"]).resolve()))
+            qdir = training.train_or_reuse(training.RunConfig.from_config(qc), log)
+            _, qmodel = training.load_trained(qdir)
+            plan = aq.Plan.load(best["plan_file"])
+            m = ptq.simulate(qmodel, plan.rules())
+            val = training.evaluate(eval_cfg, m)["val_loss"]
+            qat.append({"method": best["method"], "budget": b, "bits": best["bits"],
+                        "run": str(qdir), "qat_steps": int(c.qat_steps), "val_loss": val,
+                        "delta_val": val - fl["val_loss"], "ptq_delta_val": best["delta_val"]})
+            log(f"qat {tag}: delta_val {val - fl['val_loss']:+.4f} (PTQ "
+                f"{best['delta_val']:+.4f})")
+
+    fronts = {m: pareto([(p["bits"], p["val_loss"]) for p in plans if p["method"] == m])
+              for m in methods}
+    fronts["heuristics"] = pareto([(h["bits"], h["val_loss"]) for h in heuristics])
+    return {
+        "name": c.name,
+        "float_run": str(float_dir),
+        "model": {"mlp": cfg.model.mlp, "d_model": cfg.model.d_model,
+                  "layers": cfg.model.layers, "scored_params": int(sum(ref.params.values()))},
+        "float": fl,
+        "none_plan": none_plan,
+        "candidates": candidates,
+        "methods": methods,
+        "budgets": budgets,
+        "score_seconds": timings,
+        "scores": {m: s.to_json() for m, s in scores.items()},
+        "uniform": uniform,
+        "completeness": completeness,
+        "plans": plans,
+        "heuristics": heuristics,
+        "qat": qat,
+        "pareto": fronts,
+        "config": c.to_dict() if hasattr(c, "to_dict") else dict(c),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _counts_str(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {r.removeprefix('qat_')}" for r, n in sorted(counts.items()))
+
+
+def render_markdown(result: dict, command: str = "") -> str:
+    """The tables: scoring time, completeness, plans per method and budget, heuristics
+    against the plans at their bits, and the Pareto fronts."""
+    fl = result["float"]
+    mo = result["model"]
+    lines = [f"# {result['name']}: per-layer precision under a bit budget", ""]
+    if command:
+        lines += ["```", command, "```", ""]
+    lines += [
+        f"GPT ({mo['mlp']}, d_model {mo['d_model']}, {mo['layers']} layers; "
+        f"{mo['scored_params']:,} scored weight parameters). Float: val loss "
+        f"{fl['val_loss']:.4f}, calibration loss {fl['calib_loss']:.4f}. Bits per parameter "
+        "over the scored weights (scales included, float = 16); deltas are measured loss "
+        "changes against float.",
+        "",
+        "## Scoring time",
+        "",
+        "| method | seconds |",
+        "|---|---|",
+    ]
+    lines += [f"| {m} | {t:.1f} |" for m, t in result["score_seconds"].items()]
+    lines += ["", "## Additivity: summed scores over the measured change (calibration batches)",
+              "", "| every site at | measured delta | sum shapley | ratio | sum isolated | "
+              "ratio |", "|---|---|---|---|---|---|"]
+
+    def f(x, spec="+.4f"):
+        return "-" if x is None else format(x, spec)
+
+    for r in result["completeness"]:
+        lines.append(
+            f"| {r['recipe']} | {r['delta_calib']:+.4f} | {f(r.get('sum_shapley'))} | "
+            f"{f(r.get('ratio_shapley'), '.2f')} | {f(r.get('sum_isolated'))} | "
+            f"{f(r.get('ratio_isolated'), '.2f')} |"
+        )
+    lines += ["", "## Plans per method and budget", "",
+              "| method | budget | bits | predicted | delta val | sites |",
+              "|---|---|---|---|---|---|"]
+    for p in result["plans"]:
+        if p["kind"] == "budget":
+            lines.append(
+                f"| {p['method']} | {p['budget']:g} | {p['bits']:.3f} | {p['predicted']:+.4g} | "
+                f"{p['delta_val']:+.4f} | {_counts_str(p['counts'])} |"
+            )
+    lines += ["", "## Uniform recipes", "", "| recipe | bits | delta val | delta calib |",
+              "|---|---|---|---|"]
+    for u in result["uniform"]:
+        lines.append(f"| {u['recipe']} | {u['bits']:.3f} | {u['delta_val']:+.4f} | "
+                     f"{u['delta_calib']:+.4f} |")
+    methods = result["methods"]
+    lines += ["", "## Heuristics against the plans at matched bits (delta val)", "",
+              "| preset | low | high | bits | heuristic | " + " | ".join(methods) + " |",
+              "|" + "---|" * (5 + len(methods))]
+    for h in result["heuristics"]:
+        tag = f"{h['preset']}/{h['low']}/{h['high']}"
+        cells = []
+        for m in methods:
+            v = [p for p in result["plans"] if p.get("heuristic") == tag and p["method"] == m]
+            cells.append(f"{v[0]['delta_val']:+.4f}" if v else "-")
+        lines.append(f"| {h['preset']} | {h['low']} | {h['high']} | {h['bits']:.3f} | "
+                     f"{h['delta_val']:+.4f} | " + " | ".join(cells) + " |")
+    lines += ["", "## Pareto fronts (bits, val loss)", ""]
+    for name, pts in result["pareto"].items():
+        lines.append(f"- {name}: " + ", ".join(f"({b:.3f}, {v:.4f})" for b, v in pts))
+    if result.get("qat"):
+        lines += ["", "## QAT of the best plan per budget", "",
+                  "| method | budget | bits | steps | delta val (PTQ) | delta val (QAT) |",
+                  "|---|---|---|---|---|---|"]
+        for q in result["qat"]:
+            lines.append(f"| {q['method']} | {q['budget']:g} | {q['bits']:.3f} | "
+                         f"{q['qat_steps']} | {q['ptq_delta_val']:+.4f} | "
+                         f"{q['delta_val']:+.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path) -> Path:
+    """Validation loss against bits per parameter: one series per method (every plan,
+    budgets and matched points), the heuristics, and each series' Pareto front as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = {m: [(p["bits"], p["val_loss"]) for p in result["plans"] if p["method"] == m]
+              for m in result["methods"]}
+    series["heuristics"] = [(h["bits"], h["val_loss"]) for h in result["heuristics"]]
+    for i, (name, pts) in enumerate(series.items()):
+        color = f"C{i}"
+        if pts:
+            b, v = zip(*pts, strict=True)
+            ax.scatter(b, v, color=color, alpha=0.35, s=18,
+                       marker="x" if name == "heuristics" else "o")
+        front = result["pareto"].get(name) or []
+        if front:
+            b, v = zip(*front, strict=True)
+            ax.plot(b, v, color=color, marker="x" if name == "heuristics" else "o", ms=4,
+                    label=name)
+    ax.axhline(result["float"]["val_loss"], color="k", ls="--", lw=1, label="float")
+    ax.set_xlabel("bits per parameter (scored weights, scales included)")
+    ax.set_ylabel("validation loss (PTQ)")
+    ax.set_title(f"{result['name']}: plans and heuristics (lines: Pareto fronts)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write(result: dict, out_dir, command: str = "") -> tuple[Path, Path, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js = out_dir / "autoquant.json"
+    js.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
+    md = out_dir / "autoquant.md"
+    md.write_text(render_markdown(result, command))
+    png = plot(result, out_dir / "autoquant.png")
+    return js, md, png
+
+
+def _json_default(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    raise TypeError(f"not JSON-serialisable: {type(x).__name__}")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        from absl import app
+
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+    c = _CONFIG.value
+    command = " ".join(["python -m experiments.autoquant", *sys.argv[1:]])
+    try:
+        result = run_study(c)
+    except (ConfigError, ValueError, training.TrainingDiverged) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    js, md, png = write(result, Path(c.workdir) / c.name, command)
+    print(md.read_text())
+    print(f"table: {md}\nfigure: {png}\nresults: {js}")
+
+
+if __name__ == "__main__":
+    from absl import app
+    from ml_collections import config_flags
+
+    _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/autoquant.py:...")
+    app.run(main)

@@ -1,0 +1,139 @@
+"""experiments/autoquant.py end to end on a tiny GPT (every method, two budgets, the heuristics,
+a QAT run trained under a saved plan), and ``--config.quant.plan`` in the training configs."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import lowbit.autoquant as aq
+import lowbit.flax as lbf
+from configs import autoquant as study_config
+from experiments import autoquant, training
+from experiments.configlib import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _quiet(*_):
+    pass
+
+
+def tiny_study(tmp: Path, mlp: str = "dense"):
+    corpus = tmp / "corpus.txt"
+    corpus.write_bytes(gzip.decompress((ROOT / "tests/data/corpus.txt.gz").read_bytes()))
+    c = study_config.get_config(f"mlp={mlp},size=tiny")
+    c.workdir = c.base.workdir = str(tmp / "runs")
+    b = c.base
+    b.data.path, b.data.cache_dir = str(corpus), str(tmp / "cache")
+    b.model.d_model, b.model.layers, b.model.heads, b.model.seq_len = 32, 1, 2, 32
+    b.train.update(steps=10, batch_size=4, eval_batches=2, eval_every=0, checkpoint_every=0,
+                   progress=False)
+    b.mesh.data = 1
+    c.calib_batches, c.eval_batches, c.shapley_steps = 1, 2, 2
+    c.budgets = "4.5,6"
+    c.heuristic_low, c.heuristic_high, c.matched = "qat_mxfp4", "qat_mxfp8", False
+    c.candidates = "qat_mxfp8,qat_mxfp4"
+    c.qat_steps, c.qat_budgets = 2, "4.5"
+    return c
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("autoquant")
+    c = tiny_study(tmp)
+    result = autoquant.run_study(c, log=_quiet)
+    files = autoquant.write(result, tmp / "out", "cmd")
+    return c, result, files
+
+
+def test_every_method_budget_and_heuristic_is_measured(study):
+    c, result, (js, md, png) = study
+    assert json.loads(js.read_text())["methods"] == list(aq.METHODS)
+    assert png.stat().st_size > 0
+    assert set(result["score_seconds"]) == set(aq.METHODS)
+    budget = [p for p in result["plans"] if p["kind"] == "budget"]
+    assert {(p["method"], p["budget"]) for p in budget} == {
+        (m, b) for m in aq.METHODS for b in (4.5, 6.0)
+    }
+    for p in result["plans"]:  # matched points included
+        assert p["bits"] <= p["budget"] + 1e-12
+        assert p["val_loss"] > 0 and p["counts"]
+    # the all-"none" plan is the float model, through the same rules and evaluation
+    assert result["none_plan"]["bits"] == 16.0
+    assert result["none_plan"]["val_loss"] == result["float"]["val_loss"]
+    assert result["none_plan"]["calib_loss"] == result["float"]["calib_loss"]
+    assert {h["preset"] for h in result["heuristics"]} == {"all", "mlp_only"}
+    # completeness ratios per candidate, for shapley and isolated
+    assert [r["recipe"] for r in result["completeness"]] == result["candidates"]
+    assert all("ratio_shapley" in r and "ratio_isolated" in r for r in result["completeness"])
+    text = md.read_text()
+    for m in aq.METHODS:
+        assert f"| {m} |" in text
+    assert "mlp_only" in text and "Pareto" in text
+    for name, front in result["pareto"].items():
+        assert [b for b, _ in front] == sorted(b for b, _ in front), name
+
+
+def test_a_run_trained_with_a_plan_quantizes_exactly_the_planned_sites(study):
+    c, result, _ = study
+    (q,) = [q for q in result["qat"] if q["budget"] == 4.5][:1]
+    cfg = training.RunConfig.from_config(json.loads((Path(q["run"]) / "config.json").read_text()))
+    plan = aq.Plan.load(cfg.quant.plan)
+    assert plan.bits <= 4.5 and cfg.quant.recipe == "none" and cfg.init_from
+    want = {p: plan.choices[g] for g, ps in plan.members.items() for p in ps}
+    model = training.build_model(cfg)
+    got = {s.path: (s.recipe.name if s.recipe is not None else "none")
+           for s in lbf.sites(model, training.quant_rules(cfg.quant)) if s.kernel is not None}
+    assert {p: r for p, r in got.items() if p in want} == want
+    assert set(got) - set(want) == {"head"}  # not planned: high_precision (embed: no GEMM)
+    assert {got[p] for p in set(got) - set(want)} == {"none"}
+    # and the float model with the plan's rules runs them too
+    sites = lbf.sites(training.build_float_model(cfg), plan.rules())
+    assert {s.path: s.recipe.name for s in sites if s.recipe is not None} == {
+        p: r for p, r in want.items() if r != "none"
+    }
+
+
+def test_quant_plan_is_validated_and_recorded(study, tmp_path):
+    c, result, _ = study
+    plan_file = result["plans"][0]["plan_file"]
+    base = c.base
+    base.quant.plan = plan_file
+    cfg = training.RunConfig.from_config(base)
+    assert cfg.quant.plan == str(Path(plan_file).resolve())
+    assert cfg.to_json()["quant"]["plan"] == cfg.quant.plan
+    # a run written before the field existed compares equal to plan=None
+    old = training.RunConfig.from_config(c.base.to_dict() | {"quant": {"recipe": "none"}})
+    saved = old.to_json()
+    del saved["quant"]["plan"]
+    assert not [d for d in training.config_diff(saved, old.to_json()) if "plan" in d]
+    base.quant.plan = str(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match=r"quant\.plan=.*missing\.json"):
+        training.RunConfig.from_config(base)
+    (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
+    base.quant.plan = str(tmp_path / "other.json")
+    with pytest.raises(ConfigError, match=r"quant\.plan=.*not a saved plan"):
+        training.RunConfig.from_config(base)
+    base.quant.plan = None
+
+
+def test_unknown_method_and_candidate_are_named():
+    c = study_config.get_config("mlp=dense,size=tiny")
+    c.methods = "fisher"
+    with pytest.raises(ConfigError, match="unknown method 'fisher'"):
+        autoquant.run_study(c, log=_quiet)
+    c.methods, c.candidates = "isolated", "qat_mxfp3"
+    with pytest.raises(ConfigError, match=r"config\.candidates"):
+        autoquant.run_study(c, log=_quiet)
+    with pytest.raises(ValueError, match="mlp='sparse'"):
+        study_config.get_config("mlp=sparse")
+
+
+def test_pareto_keeps_the_lower_envelope():
+    assert autoquant.pareto([(6, 1.0), (4.5, 2.0), (4.5, 1.5), (8, 1.0)]) == [(4.5, 1.5), (6, 1.0)]
+    assert re.fullmatch(autoquant.MOE_GROUPS[0], "blocks/3/moe/down")
