@@ -1,5 +1,10 @@
-"""experiments/autoquant.py end to end on a tiny GPT (every method, two budgets, the heuristics,
-a QAT run trained under a saved plan), and ``--config.quant.plan`` in the training configs."""
+"""experiments/autoquant.py end to end on a tiny GPT, and ``--config.quant.plan`` in the training
+configs.
+
+The fast study runs two methods (``isolated`` and ``shapley``: each method is one compiled
+scoring program, and ``lowbit.autoquant``'s own tests check all four against direct
+computations) at one budget; the slow one (``make test-slow``) runs every method, two budgets
+and a QAT run trained under a saved plan."""
 
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ def _quiet(*_):
     pass
 
 
-def tiny_study(tmp: Path, mlp: str = "dense"):
+def tiny_study(tmp: Path, mlp: str = "dense", *, full: bool = False):
     corpus = tmp / "corpus.txt"
     corpus.write_bytes(gzip.decompress((ROOT / "tests/data/corpus.txt.gz").read_bytes()))
     c = study_config.get_config(f"mlp={mlp},size=tiny")
@@ -35,30 +40,40 @@ def tiny_study(tmp: Path, mlp: str = "dense"):
                    progress=False)
     b.mesh.data = 1
     c.calib_batches, c.eval_batches, c.shapley_steps = 1, 2, 2
-    c.budgets = "4.5,6"
     c.heuristic_low, c.heuristic_high, c.matched = "qat_mxfp4", "qat_mxfp8", False
     c.candidates = "qat_mxfp8,qat_mxfp4"
-    c.qat_steps, c.qat_budgets = 2, "4.5"
+    if full:
+        c.budgets, c.qat_steps, c.qat_budgets = "4.5,6", 2, "4.5"
+    else:
+        c.methods, c.budgets, c.qat_steps = "isolated,shapley", "4.5", 0
     return c
 
 
-@pytest.fixture(scope="module")
-def study(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("autoquant")
-    c = tiny_study(tmp)
+def run(tmp: Path, full: bool):
+    c = tiny_study(tmp, full=full)
     result = autoquant.run_study(c, log=_quiet)
     files = autoquant.write(result, tmp / "out", "cmd")
     return c, result, files
 
 
-def test_every_method_budget_and_heuristic_is_measured(study):
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("autoquant"), full=False)
+
+
+@pytest.fixture(scope="module")
+def full_study(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("autoquant-full"), full=True)
+
+
+def check_study(study, methods, budgets):
     c, result, (js, md, png) = study
-    assert json.loads(js.read_text())["methods"] == list(aq.METHODS)
+    assert json.loads(js.read_text())["methods"] == list(methods)
     assert png.stat().st_size > 0
-    assert set(result["score_seconds"]) == set(aq.METHODS)
+    assert set(result["score_seconds"]) == set(methods)
     budget = [p for p in result["plans"] if p["kind"] == "budget"]
     assert {(p["method"], p["budget"]) for p in budget} == {
-        (m, b) for m in aq.METHODS for b in (4.5, 6.0)
+        (m, b) for m in methods for b in budgets
     }
     for p in result["plans"]:  # matched points included
         assert p["bits"] <= p["budget"] + 1e-12
@@ -72,19 +87,36 @@ def test_every_method_budget_and_heuristic_is_measured(study):
     assert [r["recipe"] for r in result["completeness"]] == result["candidates"]
     assert all("ratio_shapley" in r and "ratio_isolated" in r for r in result["completeness"])
     text = md.read_text()
-    for m in aq.METHODS:
+    for m in methods:
         assert f"| {m} |" in text
     assert "mlp_only" in text and "Pareto" in text
     for name, front in result["pareto"].items():
         assert [b for b, _ in front] == sorted(b for b, _ in front), name
 
 
-def test_a_run_trained_with_a_plan_quantizes_exactly_the_planned_sites(study):
-    c, result, _ = study
+def test_the_study_measures_its_methods_budgets_and_heuristics(study):
+    check_study(study, ("isolated", "shapley"), (4.5,))
+
+
+@pytest.mark.slow
+def test_the_full_study_and_a_run_trained_with_a_plan(full_study):
+    check_study(full_study, aq.METHODS, (4.5, 6.0))
+    c, result, _ = full_study
     (q,) = [q for q in result["qat"] if q["budget"] == 4.5][:1]
     cfg = training.RunConfig.from_config(json.loads((Path(q["run"]) / "config.json").read_text()))
+    check_planned_sites(cfg)
+
+
+def test_a_config_with_a_plan_quantizes_exactly_the_planned_sites(study):
+    c, result, _ = study
+    base = c.base.copy_and_resolve_references()
+    base.quant.plan = result["plans"][0]["plan_file"]
+    check_planned_sites(training.RunConfig.from_config(base), init_from=False)
+
+
+def check_planned_sites(cfg, init_from: bool = True):
     plan = aq.Plan.load(cfg.quant.plan)
-    assert plan.bits <= 4.5 and cfg.quant.recipe == "none" and cfg.init_from
+    assert plan.bits <= 4.5 and cfg.quant.recipe == "none" and bool(cfg.init_from) == init_from
     want = {p: plan.choices[g] for g, ps in plan.members.items() for p in ps}
     model = training.build_model(cfg)
     got = {s.path: (s.recipe.name if s.recipe is not None else "none")
