@@ -4,6 +4,8 @@
 :meth:`RunConfig.from_config`) and writes, under ``<workdir>/<name>/``::
 
     config.json      the resolved config (what ran; compared on --resume)
+    plan.json        with ``quant.plan``: a copy of the plan the run trains under (compared on
+                     --resume, so an edited plan file does not change a run half-way)
     metrics.jsonl    {"kind": "train", step, tokens, loss, <the loss function's other
                       metrics>, grad_norm, nonfinite_params, lr, step_s, tokens_per_s} every
                       log_every steps; {"kind": "eval", step, tokens, val_loss[,
@@ -976,6 +978,13 @@ def train(
         diff = config_diff(saved, cfg.to_json())
         if diff:
             raise ConfigError(f"--resume with a config that differs from {run_dir}: {diff}")
+    plan_copy = run_dir / "plan.json"  # the plan the run trains under, as it was at its start
+    if resume and cfg.quant.plan is not None and plan_copy.exists():
+        if autoquant.Plan.load(plan_copy) != autoquant.Plan.load(cfg.quant.plan):
+            raise ConfigError(
+                f"--resume: the plan file quant.plan={cfg.quant.plan!r} changed since {run_dir} "
+                f"started (the run trains under its copy {plan_copy}); nothing was changed"
+            )
     # A resumed run continues from its own checkpoint: init_from is read only by a fresh start.
     source = _check_init_from(cfg) if cfg.init_from and not (resume and has_ckpt) else None
 
@@ -1002,6 +1011,8 @@ def train(
     mngr = _ckpt_manager(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
+    if cfg.quant.plan is not None and not (resume and has_ckpt and plan_copy.exists()):
+        autoquant.Plan.load(cfg.quant.plan).save(plan_copy)
     metrics_path = run_dir / "metrics.jsonl"
 
     start = 0

@@ -8,6 +8,7 @@ and a QAT run trained under a saved plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import re
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import lowbit as lb
 import lowbit.autoquant as aq
 import lowbit.flax as lbf
 from configs import autoquant as study_config
@@ -105,6 +107,7 @@ def test_the_full_study_and_a_run_trained_with_a_plan(full_study):
     (q,) = [q for q in result["qat"] if q["budget"] == 4.5][:1]
     cfg = training.RunConfig.from_config(json.loads((Path(q["run"]) / "config.json").read_text()))
     check_planned_sites(cfg)
+    assert aq.Plan.load(Path(q["run"]) / "plan.json") == aq.Plan.load(cfg.quant.plan)
 
 
 def test_a_config_with_a_plan_quantizes_exactly_the_planned_sites(study):
@@ -169,3 +172,22 @@ def test_unknown_method_and_candidate_are_named():
 def test_pareto_keeps_the_lower_envelope():
     assert autoquant.pareto([(6, 1.0), (4.5, 2.0), (4.5, 1.5), (8, 1.0)]) == [(4.5, 1.5), (6, 1.0)]
     assert re.fullmatch(autoquant.MOE_GROUPS[0], "blocks/3/moe/down")
+
+
+def test_resume_refuses_a_plan_file_that_changed(study, tmp_path):
+    c, result, _ = study
+    base = c.base.copy_and_resolve_references()
+    plan_file = tmp_path / "plan.json"
+    plan = aq.Plan.load(result["plans"][0]["plan_file"])
+    plan.save(plan_file)
+    base.quant.plan = str(plan_file)
+    base.workdir = str(tmp_path / "runs")
+    cfg = training.RunConfig.from_config(base)
+    cfg.run_dir.mkdir(parents=True)
+    (cfg.run_dir / "config.json").write_text(json.dumps(cfg.to_json()))
+    none = {"none": lb.recipes.get("none")}
+    changed = dataclasses.replace(plan, choices={k: "none" for k in plan.choices}, recipes=none)
+    changed.save(cfg.run_dir / "plan.json")  # the copy a run made at its start
+    with pytest.raises(ConfigError, match=r"plan file quant\.plan=.* changed since"):
+        training.train(cfg, resume=True, log=_quiet)
+    assert aq.Plan.load(cfg.run_dir / "plan.json") == changed  # nothing was overwritten
