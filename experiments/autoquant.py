@@ -43,21 +43,18 @@ heuristics, with each series' Pareto front).
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import lowbit as lb
 import lowbit.autoquant as aq
 import lowbit.ptq as ptq
-from experiments import compare, training
+from experiments import compare, studylib, training
 from experiments.configlib import ConfigError
 from experiments.model import loss_fn as gpt_loss_fn
 
@@ -445,48 +442,16 @@ def plot(result: dict, path) -> Path:
     ax.set_ylabel("validation loss (PTQ)")
     ax.set_title(f"{result['name']}: plans and heuristics (lines: Pareto fronts)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return studylib.save_figure(fig, path)
 
 
 def write(result: dict, out_dir, command: str = "") -> tuple[Path, Path, Path]:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    js = out_dir / "autoquant.json"
-    js.write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
-    md = out_dir / "autoquant.md"
-    md.write_text(render_markdown(result, command))
-    png = plot(result, out_dir / "autoquant.png")
-    return js, md, png
-
-
-def _json_default(x):
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
-    raise TypeError(f"not JSON-serialisable: {type(x).__name__}")
+    """``autoquant.json``, ``autoquant.md`` and ``autoquant.png`` under ``out_dir``."""
+    return studylib.write(result, out_dir, "autoquant", render_markdown, plot, command)
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        from absl import app
-
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    from absl import logging
-
-    logging.set_verbosity(logging.WARNING)
-    c = _CONFIG.value
-    command = " ".join(["python -m experiments.autoquant", *sys.argv[1:]])
-    try:
-        result = run_study(c)
-    except (ConfigError, ValueError, training.TrainingDiverged) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    js, md, png = write(result, Path(c.workdir) / c.name, command)
-    print(md.read_text())
-    print(f"table: {md}\nfigure: {png}\nresults: {js}")
+    studylib.main(argv, _CONFIG.value, "experiments.autoquant", run_study, write)
 
 
 if __name__ == "__main__":

@@ -37,17 +37,13 @@ vectors and low-rank branches) and of the whole model. Written to ``runs/<name>/
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
 import lowbit as lb
 import lowbit.ptq as ptq
-from experiments import compare, training
+from experiments import compare, studylib, training
 from experiments.configlib import ConfigError
 
 __all__ = ["FORMATS", "recipe_of", "run_study", "render_markdown", "plot", "main"]
@@ -231,48 +227,16 @@ def plot(result: dict, path) -> Path:
     ax.set_ylabel("validation loss gap to float (%)")
     ax.set_title(f"{result['name']}: PTQ and QAT")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return studylib.save_figure(fig, path)
 
 
 def write(result: dict, out_dir, command: str = "") -> tuple[Path, Path, Path]:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    js = out_dir / "ptq_vs_qat.json"
-    js.write_text(json.dumps(result, indent=2, default=_json_default) + "\n")
-    md = out_dir / "ptq_vs_qat.md"
-    md.write_text(render_markdown(result, command))
-    png = plot(result, out_dir / "ptq_vs_qat.png")
-    return js, md, png
-
-
-def _json_default(x):
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
-    raise TypeError(f"not JSON-serialisable: {type(x).__name__}")
+    """``ptq_vs_qat.json``, ``ptq_vs_qat.md`` and ``ptq_vs_qat.png`` under ``out_dir``."""
+    return studylib.write(result, out_dir, "ptq_vs_qat", render_markdown, plot, command)
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        from absl import app
-
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    from absl import logging
-
-    logging.set_verbosity(logging.WARNING)
-    c = _CONFIG.value
-    command = " ".join(["python -m experiments.ptq_vs_qat", *sys.argv[1:]])
-    try:
-        result = run_study(c)
-    except (ConfigError, ValueError, training.TrainingDiverged) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    js, md, png = write(result, Path(c.workdir) / c.name, command)
-    print(md.read_text())
-    print(f"table: {md}\nfigure: {png}\nresults: {js}")
+    studylib.main(argv, _CONFIG.value, "experiments.ptq_vs_qat", run_study, write)
 
 
 if __name__ == "__main__":
