@@ -41,6 +41,8 @@ from lowbit.recipes import GemmSpec, Recipe
 __all__ = [
     "dot_general",
     "einsum",
+    "forward_operands",
+    "einsum_operands",
     "IMPLEMENTATIONS",
     "check_implementation",
     "resolve_implementation",
@@ -339,6 +341,63 @@ def resolve_implementation(implementation: str | None, backend: str | None = Non
     return "pallas" if backend == "gpu" else "emulation"
 
 
+def _key_data(key, r: Recipe):
+    """``key`` as uint32[2] key data (None stays None, unless the forward needs one)."""
+    if key is not None:
+        key = jnp.asarray(key)
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.key_data(key)
+        elif key.dtype != jnp.uint32 or key.shape != (2,):
+            raise TypeError(
+                f"key must be a jax.random.key(...) or a uint32[2] PRNGKey, got "
+                f"{key.dtype}{key.shape}"
+            )
+    elif r.fwd.stochastic:
+        raise ValueError(
+            f"recipe {r.name!r} rounds stochastically in the forward: pass key= "
+            "(a new key per step)"
+        )
+    return key
+
+
+def forward_operands(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    recipe: str | Recipe | None = "none",
+    key: jax.Array | None = None,
+    implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The two operands as the forward GEMM of :func:`dot_general` multiplies them, in the
+    original basis (a forward Hadamard transform undone; H is orthogonal, so the product is
+    unchanged): ``lax.dot_general(lq, rq, dn)`` in float32 equals the forward's output up to
+    float32 summation order. Quantized operands come back fake-quantized (float32), an operand
+    the recipe keeps in high precision as it is (after the transform's round trip).
+
+    What sensitivity analysis needs to move a site along ``x W -> Q(x) Q(W)`` with one GEMM per
+    backward (:mod:`lowbit.autoquant`). Values only: the operands carry no gradient rule.
+
+    >>> import jax.numpy as jnp, lowbit as lb
+    >>> x, w = jnp.linspace(-1, 1, 64).reshape(2, 32), jnp.ones((32, 8))
+    >>> lq, rq = forward_operands(x, w, (((1,), (0,)), ((), ())), "qat_mxfp4")
+    >>> bool(jnp.all(lq @ rq == lb.dot_general(x, w, (((1,), (0,)), ((), ())), "qat_mxfp4")))
+    True
+    """
+    r = _recipes.get(recipe)
+    impl = resolve_implementation(implementation)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    dn = _normalize_dn(dimension_numbers, lhs.ndim, rhs.ndim)
+    if not r.fwd.active:
+        return lhs, rhs
+    key = _key_data(key, r)
+    dims = _Dims.of(dn, lhs.ndim, rhs.ndim)
+    lq, rq, signs = _fwd_operands(lhs, rhs, dims, r, key, impl != "xla")
+    return (
+        _effective(lq, r.fwd, _last(dims.lhs_contract), signs),
+        _effective(rq, r.fwd, _last(dims.rhs_contract), signs),
+    )
+
+
 def dot_general(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -392,41 +451,15 @@ def dot_general(
         return lax.dot_general(
             lhs, rhs, dn, precision=precision, preferred_element_type=preferred_element_type
         )
-    if key is not None:
-        key = jnp.asarray(key)
-        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-            key = jax.random.key_data(key)
-        elif key.dtype != jnp.uint32 or key.shape != (2,):
-            raise TypeError(
-                f"key must be a jax.random.key(...) or a uint32[2] PRNGKey, got "
-                f"{key.dtype}{key.shape}"
-            )
-    elif r.fwd.stochastic:
-        raise ValueError(
-            f"recipe {r.name!r} rounds stochastically in the forward: pass key= "
-            "(a new key per step)"
-        )
+    key = _key_data(key, r)
     st = _Static(dn, r, out_dtype, tuple(lhs.shape), lhs.dtype, tuple(rhs.shape), rhs.dtype,
                  impl, implementation)
     return _qdot(lhs, rhs, key, st)
 
 
-def einsum(
-    subscripts: str,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    *,
-    recipe: str | Recipe | None = "none",
-    key: jax.Array | None = None,
-    preferred_element_type=None,
-    implementation: str | None = None,
-) -> jax.Array:
-    """Two-operand ``jnp.einsum`` through :func:`dot_general` (quantized per ``recipe``).
-
-    >>> import jax.numpy as jnp, lowbit as lb
-    >>> lb.einsum("btd,df->btf", jnp.ones((2, 3, 32)), jnp.ones((32, 4)), recipe="mxfp8").shape
-    (2, 3, 4)
-    """
+def _einsum_plan(subscripts: str, lhs, rhs):
+    """(lhs, rhs, dimension numbers, output labels of the dot_general, output labels): labels
+    on one side only and absent from the output are summed out of the operands first."""
     spec = subscripts.replace(" ", "")
     if "..." in spec:
         raise ValueError("lowbit.einsum does not support '...'; name every axis")
@@ -460,10 +493,52 @@ def einsum(
         (tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
         (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)),
     )
-    y = dot_general(lhs, rhs, dn, recipe=recipe, key=key,
-                    preferred_element_type=preferred_element_type,
-                    implementation=implementation)
     produced = batch + [c for c in a if c not in b] + [c for c in b if c not in a]
     if set(produced) != set(out):
         raise ValueError(f"subscripts {subscripts!r}: output labels do not match the inputs")
+    return lhs, rhs, dn, produced, out
+
+
+def einsum_operands(
+    subscripts: str,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    *,
+    recipe: str | Recipe | None = "none",
+    key: jax.Array | None = None,
+    implementation: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`forward_operands` of :func:`einsum`: ``einsum(subscripts, lq, rq)`` in float32
+    equals the quantized einsum's output up to float32 summation order. Every label must
+    appear in the other operand or in the output (none summed out of one operand alone)."""
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    l2, r2, dn, _, _ = _einsum_plan(subscripts, lhs, rhs)
+    if l2.ndim != lhs.ndim or r2.ndim != rhs.ndim:
+        raise ValueError(
+            f"einsum_operands: {subscripts!r} sums a label out of one operand alone; its "
+            "operands would not have the shapes of the einsum's"
+        )
+    return forward_operands(lhs, rhs, dn, recipe, key, implementation)
+
+
+def einsum(
+    subscripts: str,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    *,
+    recipe: str | Recipe | None = "none",
+    key: jax.Array | None = None,
+    preferred_element_type=None,
+    implementation: str | None = None,
+) -> jax.Array:
+    """Two-operand ``jnp.einsum`` through :func:`dot_general` (quantized per ``recipe``).
+
+    >>> import jax.numpy as jnp, lowbit as lb
+    >>> lb.einsum("btd,df->btf", jnp.ones((2, 3, 32)), jnp.ones((32, 4)), recipe="mxfp8").shape
+    (2, 3, 4)
+    """
+    lhs, rhs, dn, produced, out = _einsum_plan(subscripts, lhs, rhs)
+    y = dot_general(lhs, rhs, dn, recipe=recipe, key=key,
+                    preferred_element_type=preferred_element_type,
+                    implementation=implementation)
     return jnp.transpose(y, [produced.index(c) for c in out])

@@ -958,3 +958,32 @@ def test_implementations_agree(name):
 
     assert "lowbit_fake_quantize" not in lowered("xla").as_text()
     assert "lowbit_fake_quantize" in lowered(None).as_text() or not recipe.fwd.active
+
+
+@pytest.mark.parametrize("name", ["qat_mxfp4", "w4a16_nvfp4", "quartet", "mxfp8"])
+def test_forward_operands_multiply_to_the_forward_output(name):
+    """The operands as the forward GEMM multiplies them, in the original basis (a forward
+    Hadamard undone): their float32 product is the quantized output, and they are quantized
+    (not the inputs) wherever the recipe's forward quantizes."""
+    from lowbit.dot_general import einsum_operands, forward_operands
+
+    x = jax.random.normal(jax.random.key(3), (2, 8, 64))
+    w = jax.random.normal(jax.random.key(4), (64, 32))
+    dn = (((2,), (0,)), ((), ()))
+    r = recipes.get(name)
+    lq, rq = jax.jit(lambda x, w: forward_operands(x, w, dn, r, KEY))(x, w)
+    y = jax.jit(lambda x, w: lb.dot_general(x, w, dn, recipe=r, key=KEY))(x, w)
+    np.testing.assert_allclose(_dot_f32(lq, rq, dn), y, rtol=2e-5, atol=2e-5)
+    assert (lq.shape, rq.shape) == (x.shape, w.shape)
+    assert (not np.array_equal(lq, x)) == (r.fwd.lhs is not None)
+    assert not np.array_equal(rq, w)
+    le, re_ = einsum_operands("btk,kn->btn", x, w, recipe=r, key=KEY)
+    np.testing.assert_array_equal(le, lq)
+    np.testing.assert_array_equal(re_, rq)
+    with pytest.raises(ValueError, match="sums a label out of one operand alone"):
+        einsum_operands("btk,kn->bn", x, w, recipe=r, key=KEY)
+
+
+def _dot_f32(a, b, dn):
+    return np.asarray(lax.dot_general(a, b, dn, precision=lax.Precision.HIGHEST,
+                                      preferred_element_type=jnp.float32))

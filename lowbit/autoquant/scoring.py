@@ -377,6 +377,35 @@ def _needs_key(r: Recipe) -> bool:
 # The methods' programs
 
 
+def _path_point(gemm, lhs, rhs, lq, rq, gate):
+    """A site's output at ``gate`` on its path, ``y + gate (q - y)`` with ``y`` the float GEMM
+    and ``q = lq @ rq`` the candidate's (``lq``, ``rq``: its forward operands), differentiated
+    as the straight-through path: ``dL/dgate = <g, q - y>`` and one backward GEMM, ``dx = g
+    ((1 - gate) W + gate rq)^T`` (the quantized activation passes the gradient straight
+    through, as the recipes' own backward does), instead of one per branch."""
+
+    @jax.custom_vjp
+    def point(lhs, rhs, lq, rq, gate):
+        y = gemm(lhs, rhs, _NONE)
+        return y + gate.astype(y.dtype) * (gemm(lq, rq, _NONE).astype(y.dtype) - y)
+
+    def fwd(lhs, rhs, lq, rq, gate):
+        y = gemm(lhs, rhs, _NONE)
+        d = gemm(lq, rq, _NONE).astype(y.dtype) - y
+        return y + gate.astype(y.dtype) * d, (lhs, rhs, rq, gate, d)
+
+    def bwd(res, g):
+        lhs, rhs, rq, gate, d = res
+        w = rhs.astype(jnp.float32)
+        w = (w + gate * (rq - w)).astype(rhs.dtype)
+        (dx,) = jax.vjp(lambda x: gemm(x, w, _NONE), lhs)[1](g)
+        dgate = jnp.sum(g.astype(jnp.float32) * d.astype(jnp.float32))
+        return dx, jnp.zeros_like(rhs), jnp.zeros_like(lq), jnp.zeros_like(rq), dgate
+
+    point.defvjp(fwd, bwd)
+    return point(lhs, rhs, lq, rq, gate)
+
+
 class _Program:
     """The jitted programs of one ``score`` call (sites, candidates and model fixed)."""
 
@@ -395,6 +424,13 @@ class _Program:
 
     def _float(self, gemm, lhs, rhs):
         return gemm(lhs, rhs, _NONE)
+
+    def operands(self, j: int, i: int, key, gemm, lhs, rhs):
+        """Site ``i``'s operands as candidate ``j``'s forward GEMM multiplies them (float32)."""
+        r = self.quant[j - 1]
+        k = jax.random.fold_in(jax.random.fold_in(key, i), j) if _needs_key(r) else None
+        lq, rq = gemm.operands(lhs, rhs, r, k)
+        return lq.astype(jnp.float32), rq.astype(jnp.float32)
 
     # isolated / kl: one site at one candidate per configuration ------------------------------
 
@@ -507,13 +543,13 @@ class _Program:
                     i = self.index.get(site)
                     if i is None:
                         return self._float(gemm, lhs, rhs)
-                    y = self._float(gemm, lhs, rhs)
                     branches = [
-                        functools.partial(self.qgemm, jj, i, key, gemm)
+                        functools.partial(self.operands, jj, i, key, gemm)
                         for jj in range(1, len(self.quant) + 1)
                     ]
-                    q = jax.lax.switch(j - 1, branches, lhs, rhs)
-                    return y + gates[i].astype(y.dtype) * (q - y)
+                    # values only: the path's gradient is _path_point's own rule
+                    lq, rq = jax.lax.switch(j - 1, branches, *jax.lax.stop_gradient((lhs, rhs)))
+                    return _path_point(gemm, lhs, rhs, lq, rq, gates[i])
 
                 return _scalar(self.run(self.loss_fn, state, batch, hook)).astype(jnp.float32)
 

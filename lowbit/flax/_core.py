@@ -25,6 +25,7 @@ from jax import lax
 
 import lowbit as lb
 from lowbit import recipes as _recipes
+from lowbit.dot_general import einsum_operands, forward_operands
 from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 
 ATTN_SCORES = "attn_scores"
@@ -205,14 +206,34 @@ def observing(observer):
 _SUBSTITUTE: contextvars.ContextVar = contextvars.ContextVar("lowbit_substitute", default=None)
 
 
+@dataclasses.dataclass(frozen=True)
+class SiteGemm:
+    """One site's GEMM, as :func:`substituting` hooks get it: ``gemm(lhs, rhs, recipe,
+    key=None)`` runs it (its dimension numbers or einsum, its implementation) under any recipe
+    on any operands; ``gemm.operands(lhs, rhs, recipe, key=None)`` gives the two operands as
+    that recipe's forward GEMM multiplies them, in the original basis
+    (:func:`lowbit.dot_general.forward_operands`), so ``gemm(lq, rq, "none")`` is the
+    quantized output up to float32 summation order."""
+
+    run: Any
+    fwd_operands: Any
+
+    def __call__(self, lhs, rhs, recipe, key=None):
+        return self.run(lhs, rhs, recipe, key)
+
+    def operands(self, lhs, rhs, recipe, key=None):
+        return self.fwd_operands(lhs, rhs, recipe, key)
+
+
 @contextlib.contextmanager
 def substituting(hook):
     """Within this context every lowbit Flax op that knows its site path (``site=``) returns
-    ``hook(site, gemm, lhs, rhs)`` instead of its GEMM's output, while tracing; ``gemm(lhs,
-    rhs, recipe, key=None)`` is the site's GEMM (its dimension numbers or einsum, its
-    implementation) under any recipe. A smoothing division comes before and a low-rank branch
-    is added after, as without the hook. :mod:`lowbit.autoquant` perturbs and gates site
-    outputs this way (on a model whose sites hold float ops: ``quantize(..., observe=True)``).
+    ``hook(site, gemm, lhs, rhs)`` instead of its GEMM's output, while tracing; ``gemm`` is a
+    :class:`SiteGemm`: ``gemm(lhs, rhs, recipe, key=None)`` is the site's GEMM (its dimension
+    numbers or einsum, its implementation) under any recipe. A smoothing division comes
+    before and a low-rank branch is added after, as without the hook. :mod:`lowbit.autoquant`
+    perturbs and gates site outputs this way (on a model whose sites hold float ops:
+    ``quantize(..., observe=True)``).
 
     >>> import jax.numpy as jnp, lowbit as lb, lowbit.flax as lbf
     >>> from flax import nnx
@@ -304,7 +325,7 @@ def qdot_general(
         lhs = smooth_lhs(lhs, smooth)
     _observe(site, lhs, dimension_numbers[0][0])
 
-    def gemm(lhs, rhs, recipe, key=None):
+    def run(lhs, rhs, recipe, key=None):
         return _qdot_general(
             lhs,
             rhs,
@@ -316,6 +337,10 @@ def qdot_general(
             implementation,
         )
 
+    def operands(lhs, rhs, recipe, key=None):
+        return forward_operands(lhs, rhs, dimension_numbers, recipe, key, implementation)
+
+    gemm = SiteGemm(run, operands)
     y = _substitute(site, gemm, lhs, rhs, recipe, key)
     if lowrank is not None:
         y = y + lowrank_branch(lhs, lowrank[0], lowrank[1], y.dtype)
@@ -405,7 +430,7 @@ def qeinsum(
         a, b = eq.split("->")[0].split(",")
         _observe(site, lhs, [i for i, c in enumerate(a) if c in b and c not in eq.split("->")[1]])
 
-    def gemm(lhs, rhs, recipe, key=None):
+    def run(lhs, rhs, recipe, key=None):
         return lb.einsum(
             eq,
             lhs,
@@ -416,6 +441,12 @@ def qeinsum(
             implementation=implementation,
         )
 
+    def operands(lhs, rhs, recipe, key=None):
+        return einsum_operands(
+            eq, lhs, rhs, recipe=recipe, key=key, implementation=implementation
+        )
+
+    gemm = SiteGemm(run, operands)
     y = _substitute(site, gemm, lhs, rhs, recipe, key)
     if out_sharding is not None:
         y = jax.lax.with_sharding_constraint(y, out_sharding)
