@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --durations=15
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	LOWBIT_TEST_XLA_OPT=full $(PY) -m pytest -q -m slow
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
