@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import gzip
 import json
+import os
 import re
 import subprocess
 import sys
@@ -439,7 +440,17 @@ def _cli(*args, cwd):
         capture_output=True,
         text=True,
         timeout=300,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"},
+        env={
+            "PYTHONPATH": str(ROOT),
+            "PATH": "/usr/bin:/bin",
+            "JAX_PLATFORMS": "cpu",
+            # the suite's compile flags (conftest.py), not its 4 fake devices
+            "XLA_FLAGS": " ".join(
+                f
+                for f in os.environ.get("XLA_FLAGS", "").split()
+                if not f.startswith("--xla_force_host_platform_device_count")
+            ),
+        },
     )
 
 
