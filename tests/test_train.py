@@ -143,10 +143,13 @@ def _recipe_cases():
     """Every registered recipe; the QAT recipes of the MXFP8 and MXFP6 element variants (and
     the aliases of two of them) run with ``make test-slow`` only: their formats train in the
     FQT recipes and are pinned bit for bit by the quantizer tests. So do the weight-only
-    recipes (their forward weight is qat_mxfp4's / qat_nvfp4's, the activation float)."""
+    recipes (their forward weight is qat_mxfp4's / qat_nvfp4's, the activation float), mxfp6
+    (mxfp8's path, another element format) and qat_mxint8 (qat_mxfp4's path)."""
     variants = {f"qat_{f}" for f in ("mxfp8", "mxfp6", "mxfp8_e4m3", "mxfp8_e5m2",
                                      "mxfp6_e2m3", "mxfp6_e3m2")}
     variants |= {"w4a16_mxfp4", "w4a16_nvfp4"}  # the QAT weight path of qat_mxfp4 / qat_nvfp4
+    # mxfp6: mxfp8's FQT path with another element format; qat_mxint8: qat_mxfp4's QAT path.
+    variants |= {"mxfp6", "qat_mxint8"}
     return [pytest.param(n, marks=pytest.mark.slow) if n in variants else n
             for n in lb.recipes.names()]
 
