@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import training
+from experiments import distributed, training
 from experiments.configlib import ConfigError
 
 __all__ = [
@@ -300,10 +300,12 @@ def compare(
     out.mkdir(parents=True, exist_ok=True)
     results = load_runs(dirs)
     rows = summarize(results)
-    png = plot_curves(results, out / "curves.png", title=f"{group}: {', '.join(recipes)}")
-    md = out / "summary.md"
-    md.write_text(render_markdown(rows, title=f"{group}: recipes compared", command=command))
-    (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    png, md = out / "curves.png", out / "summary.md"
+    if distributed.is_writer():  # process 0 of a multi-process run
+        plot_curves(results, png, title=f"{group}: {', '.join(recipes)}")
+        md.write_text(render_markdown(rows, title=f"{group}: recipes compared", command=command))
+        (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    distributed.barrier("lowbit-compare")
     return png, md
 
 
@@ -315,6 +317,7 @@ def main(argv: list[str]) -> None:
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    _START()  # joins the other processes of a multi-process run (experiments/distributed.py)
     recipes = [r for r in _RECIPES.value.split(",") if r]
     seeds = [int(s) for s in _SEEDS.value.split(",") if s]
     command = " ".join(["python -m experiments.compare", *sys.argv[1:]])
@@ -325,8 +328,9 @@ def main(argv: list[str]) -> None:
     except (ConfigError, ValueError, training.TrainingDiverged) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    print(md.read_text())
-    print(f"figure: {png}\ntable:  {md}")
+    if distributed.is_writer():
+        print(md.read_text())
+        print(f"figure: {png}\ntable:  {md}")
 
 
 if __name__ == "__main__":
@@ -340,5 +344,6 @@ if __name__ == "__main__":
     _SEEDS = flags.DEFINE_string("seeds", "0", "comma-separated seeds")
     _OUT = flags.DEFINE_string("out", None, "output folder (default runs/<group>/compare)")
     _RERUN = flags.DEFINE_bool("rerun", False, "train runs again even when they finished")
+    _START = distributed.define_flags()
     flags.mark_flags_as_required(["config"])
     app.run(main)

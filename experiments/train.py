@@ -8,6 +8,11 @@ on text (``configs/gpt.py``) or a ViT on handwritten digits (``configs/digits.py
     python -m experiments.train --config configs/gpt.py:size=tiny,recipe=qat_mxfp4 \
         --config.init_from=runs/gpt-tiny/none-s0
     python -m experiments.train --config configs/digits.py:size=s,recipe=mxfp8
+    python -m experiments.train --config configs/gpt.py:size=s --coordinator=10.0.0.1:12355 \
+        --num_processes=2 --process_id=0     # and --process_id=1 on the second host
+
+Several processes (``--coordinator``, ``--num_processes``, ``--process_id``, or a SLURM / Open
+MPI launcher): :mod:`experiments.distributed`.
 
 Writes ``runs/<config.name>/`` (config.json, metrics.jsonl, summary.json, checkpoints/).
 ``--config.init_from=<run dir>`` starts from that run's trained parameters instead of the
@@ -24,7 +29,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments import data as data_lib
-from experiments import training
+from experiments import distributed, training
 from experiments.configlib import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -32,6 +37,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _RESUME = flags.DEFINE_bool("resume", False, "continue the run from its last checkpoint")
 flags.mark_flags_as_required(["config"])
+# --coordinator, --num_processes, --process_id, --distributed_timeout
+start_processes = distributed.define_flags()
 
 EXPECTED_ERRORS = (
     ConfigError,
@@ -45,12 +52,15 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    start_processes()
     try:
         cfg = training.RunConfig.from_config(_CONFIG.value)
         result = training.train(cfg, resume=_RESUME.value)
     except (*EXPECTED_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    if not distributed.is_writer():
+        return
     accuracy = result.final_val.get("val_accuracy")
     print(
         f"{cfg.name}: step {result.step}, final validation loss {result.final_val_loss:.4f}"

@@ -84,7 +84,7 @@ from jax.sharding import PartitionSpec as P
 import lowbit as lb
 import lowbit.flax as lbf
 from experiments import data as data_lib
-from experiments import vision
+from experiments import distributed, vision
 from experiments.configlib import ConfigError, to_dataclass, to_plain
 from experiments.model import GPT, GPTConfig
 from experiments.model import loss_fn as gpt_loss_fn
@@ -676,13 +676,9 @@ class _Trainer:
 
     def put_batch(self, batch: dict[str, np.ndarray]):
         """The global batch (every process draws the same one) as a sharded array: each
-        process contributes the rows its devices hold (all of them on one host)."""
-        n, i = jax.process_count(), jax.process_index()
-        rows = next(iter(batch.values())).shape[0] // n
+        process places the slices its own devices hold, whatever the mesh's layout."""
         return {
-            k: jax.make_array_from_process_local_data(
-                self.batch_sharding, v[i * rows : (i + 1) * rows], v.shape
-            )
+            k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda i, v=v: v[i])
             for k, v in batch.items()
         }
 
@@ -943,6 +939,14 @@ def _truncate_metrics(path: Path, after_step: int) -> None:
     os.replace(tmp, path)
 
 
+def _write_json(path: Path, obj) -> None:
+    """``path`` as indented JSON, written under a temporary name and renamed into place (other
+    processes, or a reader, never see half a file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
 def _finite(metrics: dict) -> bool:
     finite = all(math.isfinite(float(metrics[k])) for k in ("loss", "grad_norm"))
     return finite and metrics["nonfinite_params"] == 0
@@ -989,7 +993,12 @@ def train(
     source = _check_init_from(cfg) if cfg.init_from and not (resume and has_ckpt) else None
 
     family = _family(cfg)
-    dataset = family.load(cfg, log=log)
+    writer = distributed.is_writer()  # process 0 writes the run's files (one process: it)
+    if writer:  # builds the tokenized cache when missing; the others read it when it is there
+        dataset = family.load(cfg, log=log)
+    distributed.barrier("lowbit-data")
+    if not writer:
+        dataset = family.load(cfg, log=_quiet)
     mesh = make_mesh(cfg.mesh, devices)
     n_dev = mesh.size
     if t.batch_size % n_dev:
@@ -1008,11 +1017,14 @@ def train(
             raise ConfigError(f"init_from={cfg.init_from!r}: {e}") from e
         finally:
             src_mngr.close()
+    # Every process has read what it checks above before process 0 writes anything.
+    distributed.barrier("lowbit-checked")
     mngr = _ckpt_manager(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
-    if cfg.quant.plan is not None and not (resume and has_ckpt and plan_copy.exists()):
-        autoquant.Plan.load(cfg.quant.plan).save(plan_copy)
+    if writer:
+        _write_json(run_dir / "config.json", cfg.to_json())
+        if cfg.quant.plan is not None and not (resume and has_ckpt and plan_copy.exists()):
+            autoquant.Plan.load(cfg.quant.plan).save(plan_copy)
     metrics_path = run_dir / "metrics.jsonl"
 
     start = 0
@@ -1026,10 +1038,11 @@ def train(
             )
         data_state.pop("fingerprint")
         batches = family.batches(cfg, dataset, data_state)
-        _truncate_metrics(metrics_path, start)
+        if writer:
+            _truncate_metrics(metrics_path, start)
         log(f"resumed {run_dir} at step {start}")
     else:
-        if metrics_path.exists():
+        if writer and metrics_path.exists():
             metrics_path.unlink()
         state = trainer.init_state(init_params)
         if init_params is not None:
@@ -1048,7 +1061,8 @@ def train(
     def evaluate(state) -> dict[str, float]:
         return family.reduce([trainer.eval_outputs(state, b) for b in evals])
 
-    with open(metrics_path, "a") as mf, _progress(t, start, stop, cfg.name) as bar:
+    bar = _progress(t, start, stop, cfg.name) if writer else _NoBar()
+    with open(metrics_path if writer else os.devnull, "a") as mf, bar:
 
         def write(rec: dict) -> None:
             mf.write(json.dumps(rec) + "\n")
@@ -1126,10 +1140,13 @@ def train(
         "tokens_per_s": tokens_per_step / step_time if step_time else None,
         "params": sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract["params"])),
         "devices": n_dev,
+        "processes": jax.process_count(),
         "backend": jax.default_backend(),
         "family": cfg.family,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if writer:
+        _write_json(run_dir / "summary.json", summary)
+    distributed.barrier("lowbit-done")  # the files are there when any process returns
     return RunResult(run_dir, stop, final_val["val_loss"], losses, step_time, final_val)
 
 
