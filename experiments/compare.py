@@ -14,7 +14,10 @@ the same config is reused (``--rerun`` trains it again). Results go to ``runs/<g
 
 * ``curves.png``: train loss (smoothed) and validation loss versus tokens, one line per recipe
   (mean over seeds, shaded min..max), and the validation-loss gap to ``none`` in % versus tokens;
-* ``summary.md``: final validation loss (mean +- std over seeds), gap to ``none`` in %, and the
+* ``summary.md``: final validation loss (mean +- std over seeds), gap to ``none`` in % (the
+  paired gap printed only where it stands out of seed noise, else "within noise": see
+  :func:`gap_noise`; ``--noise_seeds 1,2`` trains extra ``none`` seeds to measure the noise
+  floor a single-seed comparison is judged against), and the
   median step time as a ratio to ``none``'s (runs are timed one after another on the same
   machine, not interleaved, so small ratios are within the machine's noise); for a family
   whose runs record a validation accuracy (``configs/digits.py``), its mean too;
@@ -143,11 +146,56 @@ def load_runs(run_dirs: Sequence[str | Path]) -> dict[str, RecipeResult]:
     return out
 
 
-def summarize(results: dict[str, RecipeResult]) -> list[dict]:
-    """One row per recipe: final validation loss, gap to ``none`` (%), step-time ratio."""
+CONFIDENCE = 0.95  # of the noise intervals below
+
+
+def noise_floor(final_val: Sequence[float]) -> float | None:
+    """The seed-to-seed spread of one recipe's final validation loss, in % of its mean
+    (sample standard deviation); None with fewer than 2 seeds."""
+    if len(final_val) < 2:
+        return None
+    return 100 * statistics.stdev(final_val) / statistics.fmean(final_val)
+
+
+def gap_noise(paired: Sequence[float], floor_pct: float | None) -> tuple[float | None, str]:
+    """Half-width (percentage points) of the ``CONFIDENCE`` interval of a paired gap around
+    zero, and what it was measured from:
+
+    - several seeds: the paired gaps' own spread, Student's t with n - 1 degrees of freedom
+      (``t * sd / sqrt(n)``);
+    - one seed: the baseline's seed-to-seed spread ``floor_pct`` (:func:`noise_floor`), as the
+      difference of two runs (``z * sqrt(2) * floor``): a conservative bound, since the paired
+      gap shares the initial parameters and batches;
+    - neither: ``(None, "none")``: the gap's noise is unknown.
+
+    >>> half, basis = gap_noise([1.0, 1.2, 0.8], None)
+    >>> round(half, 3), basis
+    (0.497, 'paired t over 3 seeds')
+    """
+    from scipy import stats
+
+    n = len(paired)
+    if n >= 2:
+        sd = statistics.stdev(paired)
+        t = stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1)
+        return float(t * sd / np.sqrt(n)), f"paired t over {n} seeds"
+    if floor_pct is not None:
+        z = stats.norm.ppf(0.5 + CONFIDENCE / 2)
+        return float(z * np.sqrt(2) * floor_pct), "baseline seed spread"
+    return None, "none"
+
+
+def summarize(
+    results: dict[str, RecipeResult], noise: Sequence[float] | None = None
+) -> list[dict]:
+    """One row per recipe: final validation loss, gap to ``none`` (%), whether the gap stands
+    out of seed noise (:func:`gap_noise`), step-time ratio. ``noise``: final validation losses
+    of extra baseline seeds (``compare --noise_seeds``), pooled with the baseline's own seeds
+    into the noise floor."""
     base = results.get(BASELINE)
     base_t = statistics.median(base.step_s) if base and base.step_s else None
     base_by_seed = dict(zip(base.seeds, base.final_val, strict=True)) if base else {}
+    floor = noise_floor([*(base.final_val if base else []), *(noise or [])])
     rows = []
     for r in results.values():
         t = statistics.median(r.step_s) if r.step_s else None
@@ -158,6 +206,9 @@ def summarize(results: dict[str, RecipeResult]) -> list[dict]:
             for s, v in zip(r.seeds, r.final_val, strict=True)
             if s in base_by_seed
         ]
+        is_base = r.recipe == BASELINE
+        half, basis = gap_noise(paired, floor) if paired and not is_base else (None, "none")
+        mean = statistics.fmean(paired) if paired else None
         rows.append(
             {
                 "recipe": r.recipe,
@@ -168,6 +219,12 @@ def summarize(results: dict[str, RecipeResult]) -> list[dict]:
                 "gap_pct": 100 * (r.val_mean / base.val_mean - 1) if base else None,
                 "paired_gap_pct": statistics.fmean(paired) if paired else None,
                 "paired_gap_std": statistics.stdev(paired) if len(paired) > 1 else None,
+                # CONFIDENCE half-width of the paired gap's noise, its basis, and whether the
+                # gap lies outside it (None: the baseline itself, or no noise estimate)
+                "noise_pct": half,
+                "noise_basis": basis,
+                "distinguishable": None if half is None else bool(abs(mean) > half),
+                "noise_floor_pct": floor,
                 "step_s": t,
                 "step_ratio": t / base_t if t and base_t else None,
                 "val_accuracy": statistics.fmean(r.final_accuracy) if r.final_accuracy else None,
@@ -180,12 +237,39 @@ def _fmt(v, spec: str, missing: str = "-") -> str:
     return missing if v is None else format(v, spec)
 
 
+def _paired_cell(r: dict) -> str:
+    """The paired gap as the table shows it: signed only where it stands out of the noise."""
+    if r["paired_gap_pct"] is None:
+        return "-"
+    if r["recipe"] == BASELINE:
+        return "baseline"
+    gap = f"{r['paired_gap_pct']:+.2f}%"
+    if r["paired_gap_std"] is not None:
+        gap += f" ± {r['paired_gap_std']:.2f}"
+    half = r.get("noise_pct")
+    if half is None:
+        return f"{gap} (noise unknown)"
+    if not r["distinguishable"]:
+        return f"within noise (±{half:.2f}%)"
+    return f"{gap} (noise ±{half:.2f}%)"
+
+
 def render_markdown(rows: list[dict], *, title: str, command: str) -> str:
     accuracy = any(r.get("val_accuracy") is not None for r in rows)
+    floor = next((r.get("noise_floor_pct") for r in rows if r["recipe"] == BASELINE), None)
+    bases = sorted({r["noise_basis"] for r in rows if r.get("noise_pct") is not None})
+    noise_line = (
+        f"Noise floor: `none`'s final val loss varies by {floor:.2f}% (standard deviation) "
+        "across seeds."
+        if floor is not None
+        else "Noise floor: not measured (one seed of `none`; `--noise_seeds` measures it)."
+    )
     lines = [
         f"# {title}",
         "",
         f"Command: `{command}`",
+        "",
+        noise_line,
         "",
         "| recipe | seeds | final val loss | gap to none | paired gap | step time / none |"
         + (" final val accuracy |" if accuracy else ""),
@@ -196,11 +280,7 @@ def render_markdown(rows: list[dict], *, title: str, command: str) -> str:
         if r["seeds"] > 1:
             loss += f" ± {r['val_loss_std']:.4f}"
         gap = _fmt(r["gap_pct"], "+.2f") + ("%" if r["gap_pct"] is not None else "")
-        paired = _fmt(r["paired_gap_pct"], "+.2f") + (
-            "%" if r["paired_gap_pct"] is not None else ""
-        )
-        if r["paired_gap_std"] is not None:
-            paired += f" ± {r['paired_gap_std']:.2f}"
+        paired = _paired_cell(r)
         lines.append(
             f"| {r['recipe']} | {r['seeds']} | {loss} | {gap} | {paired} | "
             f"{_fmt(r['step_ratio'], '.2f')}x |"
@@ -212,7 +292,13 @@ def render_markdown(rows: list[dict], *, title: str, command: str) -> str:
         f"({'nats per image' if accuracy else 'nats per byte'}) at the last step. Gap: of the "
         "means, relative to `none` (the float baseline). "
         "Paired gap: the gap seed by seed (the same seed gives every recipe the same initial "
-        "parameters and batches), mean ± standard deviation. Step time: median step time over "
+        "parameters and batches), mean ± standard deviation, printed only where it lies "
+        f"outside the {CONFIDENCE:.0%} noise interval around zero"
+        + (f" ({'; '.join(bases)})" if bases else "")
+        + ", else \"within noise\": with several seeds the paired gaps' own spread "
+        "(Student's t), with one the baseline's seed-to-seed spread, as the difference of two "
+        "runs. Single-seed gaps of about 1% move with the CPU type alone (XLA:CPU's float "
+        "arithmetic differs between machines). Step time: median step time over "
         "`none`'s, runs timed one after another on the same machine."
         + (" Final val accuracy: mean over seeds." if accuracy else ""),
         "",
@@ -288,18 +374,28 @@ def compare(
     *,
     out: str | Path | None = None,
     rerun: bool = False,
+    noise_seeds: Sequence[int] = (),
     command: str = "",
     log: Callable[[str], None] = print,
 ) -> tuple[Path, Path]:
-    """Run, plot and tabulate; returns the paths of ``curves.png`` and ``summary.md``."""
+    """Run, plot and tabulate; returns the paths of ``curves.png`` and ``summary.md``.
+
+    ``noise_seeds``: extra seeds of the baseline alone, trained to measure the noise floor
+    (its seed-to-seed spread) that single-seed gaps are judged against; they are not in the
+    table or the curves."""
     if BASELINE not in recipes:
         log(f"note: {BASELINE!r} is not among the recipes; gaps are left blank")
+    extra = [s for s in dict.fromkeys(noise_seeds) if s not in seeds]
+    if extra and BASELINE not in recipes:
+        raise ValueError(f"noise_seeds={list(noise_seeds)} needs {BASELINE!r} among the recipes")
     dirs = run_all(base, recipes, seeds, rerun=rerun, log=log)
+    noise_dirs = run_all(base, [BASELINE], extra, rerun=rerun, log=log) if extra else []
     group = group_of(base.name)
     out = Path(out) if out else Path(base.workdir) / group / "compare"
     out.mkdir(parents=True, exist_ok=True)
     results = load_runs(dirs)
-    rows = summarize(results)
+    noise = [v for r in load_runs(noise_dirs).values() for v in r.final_val]
+    rows = summarize(results, noise)
     png, md = out / "curves.png", out / "summary.md"
     if distributed.is_writer():  # process 0 of a multi-process run
         plot_curves(results, png, title=f"{group}: {', '.join(recipes)}")
@@ -320,10 +416,17 @@ def main(argv: list[str]) -> None:
     _START()  # joins the other processes of a multi-process run (experiments/distributed.py)
     recipes = [r for r in _RECIPES.value.split(",") if r]
     seeds = [int(s) for s in _SEEDS.value.split(",") if s]
+    noise_seeds = [int(s) for s in _NOISE_SEEDS.value.split(",") if s]
     command = " ".join(["python -m experiments.compare", *sys.argv[1:]])
     try:
         png, md = compare(
-            _CONFIG.value, recipes, seeds, out=_OUT.value, rerun=_RERUN.value, command=command
+            _CONFIG.value,
+            recipes,
+            seeds,
+            out=_OUT.value,
+            rerun=_RERUN.value,
+            noise_seeds=noise_seeds,
+            command=command,
         )
     except (ConfigError, ValueError, training.TrainingDiverged) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -342,6 +445,9 @@ if __name__ == "__main__":
         "recipes", "none,mxfp8,mxfp6,mxfp4,nvfp4,quartet", "comma-separated recipe names"
     )
     _SEEDS = flags.DEFINE_string("seeds", "0", "comma-separated seeds")
+    _NOISE_SEEDS = flags.DEFINE_string(
+        "noise_seeds", "", "extra seeds of `none` alone, to measure the noise floor (e.g. 1,2)"
+    )
     _OUT = flags.DEFINE_string("out", None, "output folder (default runs/<group>/compare)")
     _RERUN = flags.DEFINE_bool("rerun", False, "train runs again even when they finished")
     _START = distributed.define_flags()

@@ -436,6 +436,47 @@ def test_compare_writes_curves_and_summary_and_reuses_finished_runs(tmp_path, co
         compare.run_all(base, ["none"], [0], log=quiet)
 
 
+def _result(recipe, vals, seeds=None):
+    seeds = list(range(len(vals))) if seeds is None else seeds
+    return compare.RecipeResult(recipe, seeds, list(vals), [], [], [], 1)
+
+
+def test_summary_prints_a_gap_only_where_it_stands_out_of_seed_noise():
+    # Several seeds: a paired t interval. +1.0 / +1.2 / +0.8 % stands out (half-width 0.50);
+    # +1.0 / -0.6 / +0.2 % (mean 0.2, half-width 1.99) does not.
+    base = [2.0, 2.1, 1.9]
+    def shifted(gaps):
+        return [b * (1 + g / 100) for b, g in zip(base, gaps, strict=True)]
+
+    rows = compare.summarize(
+        {
+            "none": _result("none", base),
+            "a": _result("a", shifted([1.0, 1.2, 0.8])),
+            "b": _result("b", shifted([1.0, -0.6, 0.2])),
+        }
+    )
+    by = {r["recipe"]: r for r in rows}
+    assert by["a"]["distinguishable"] and not by["b"]["distinguishable"]
+    assert by["a"]["noise_pct"] == pytest.approx(4.303 * 0.2 / 3**0.5, rel=1e-3)
+    assert by["none"]["distinguishable"] is None
+    assert by["none"]["noise_floor_pct"] == pytest.approx(100 * 0.1 / 2.0)
+    md = compare.render_markdown(rows, title="t", command="c")
+    assert "+1.00% ± 0.20 (noise ±0.50%)" in md and "within noise (±1.99%)" in md
+    assert "varies by 5.00%" in md
+    # One seed: judged against the baseline's seed spread from extra seeds (noise=), as the
+    # difference of two runs (1.96 * sqrt(2) * floor); without it the noise is unknown.
+    one = {"none": _result("none", [2.0]), "c": _result("c", [2.03]), "d": _result("d", [2.002])}
+    rows = {r["recipe"]: r for r in compare.summarize(one, noise=[2.002, 1.998])}
+    floor = 100 * float(np.std([2.0, 2.002, 1.998], ddof=1)) / 2.0  # 0.1 %: threshold 0.28 %
+    assert rows["c"]["noise_pct"] == pytest.approx(1.959964 * 2**0.5 * floor, rel=1e-5)
+    assert rows["c"]["distinguishable"] and not rows["d"]["distinguishable"]
+    assert rows["c"]["noise_basis"] == "baseline seed spread"
+    rows = {r["recipe"]: r for r in compare.summarize(one)}
+    assert rows["c"]["noise_pct"] is None and rows["c"]["distinguishable"] is None
+    md = compare.render_markdown(list(rows.values()), title="t", command="c")
+    assert "(noise unknown)" in md and "Noise floor: not measured" in md
+
+
 def _cli(*args, cwd):
     return subprocess.run(
         [sys.executable, "-m", "experiments.train", *args],
