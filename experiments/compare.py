@@ -280,6 +280,8 @@ def render_markdown(rows: list[dict], *, title: str, command: str) -> str:
         if r["seeds"] > 1:
             loss += f" ± {r['val_loss_std']:.4f}"
         gap = _fmt(r["gap_pct"], "+.2f") + ("%" if r["gap_pct"] is not None else "")
+        if r.get("distinguishable") is False:  # the mean gap cannot be told from noise either
+            gap = "within noise"
         paired = _paired_cell(r)
         lines.append(
             f"| {r['recipe']} | {r['seeds']} | {loss} | {gap} | {paired} | "
