@@ -192,6 +192,15 @@ def test_a_killed_process_stops_the_other_and_its_last_checkpoint_restores(tmp_p
     assert np.isfinite(resumed.losses[step + 1])
 
 
+def test_a_diverging_run_stops_every_process_at_the_same_step(tmp_path, corpus):
+    # lr 0 at step 1 (warmup starts at 0), then 1e30 without clipping: parameters blow up.
+    s = settings(tmp_path, corpus, lr=1e30, grad_clip=0.0, warmup_steps=4, checkpoint_every=1)
+    done = reap(start(s))
+    assert [rc for rc, _, _ in done] == [1, 1], [e[-2000:] for _, _, e in done]
+    errors = [next(x for x in err.splitlines() if x.startswith("error: ")) for _, _, err in done]
+    assert errors[0] == errors[1] and "non-finite parameters at step" in errors[0], errors
+
+
 def test_flags_are_checked_before_anything_starts():
     with pytest.raises(ValueError, match="--num_processes, --process_id missing"):
         distributed.initialize("127.0.0.1:1234")
