@@ -20,6 +20,9 @@ reused when that run finished with the same config. Fields:
 - ``budgets``: bits per parameter (scales included, float = 16) to solve for.
 - ``heuristic_low`` / ``heuristic_high``: the recipes of the presets' low and high sites;
   ``matched``: also solve every method at each heuristic point's own bits.
+- ``random_recipes``: mixed-precision recipes drawn at random (each site uniform over ``none``
+  and the candidates; ``seed``) whose measured calibration-loss change validates every
+  method's summed scores (Spearman; mean absolute error for isolated and Shapley).
 - ``qat_steps`` (0: off), ``qat_lr``: a short QAT of the best plan per budget from the float
   checkpoint (``--config.init_from`` + ``--config.quant.plan``); ``qat_budgets``: which
   budgets ("": all).
@@ -64,5 +67,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.qat_steps = 0
     c.qat_budgets = ""  # which budgets' best plans the QAT trains ("": every budget)
     c.qat_lr = base.train.lr / 5
-    c.seed = 0  # keys of candidates that draw random numbers while scored
+    c.random_recipes = 32  # random mixed-precision recipes that validate the predictions
+    c.seed = 0  # keys of candidates that draw random numbers while scored; the random recipes
     return c

@@ -31,7 +31,12 @@ config) this study
 4. checks the additivity of the scores in loss units: per candidate, the summed Shapley
    credits (and the summed isolated damages) over the measured calibration-loss change of
    quantizing every site with it (Aumann-Shapley completeness: near 1; isolated: reported,
-   it ignores interactions).
+   it ignores interactions);
+5. validates the predictions (:func:`validate`): ``random_recipes`` mixed-precision recipes,
+   each site (group) drawing uniformly from ``none`` and the candidates, are measured on the
+   calibration batches the scores were computed on, and each method's summed scores are set
+   against the measured loss changes: Spearman's rank correlation for every method, the mean
+   absolute error for the methods in loss units (isolated, Shapley).
 
 ``qat_steps > 0`` adds a short QAT of each budget's best plan from the float checkpoint
 (``init_from`` + ``quant.plan``), measured the same way. Written to ``runs/<name>/``:
@@ -50,6 +55,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import lowbit as lb
 import lowbit.autoquant as aq
@@ -63,6 +69,7 @@ __all__ = [
     "cross_entropy",
     "logits",
     "pareto",
+    "validate",
     "run_study",
     "render_markdown",
     "plot",
@@ -94,6 +101,35 @@ def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     for b, v in sorted(points, key=lambda p: (p[0], p[1])):
         if not out or v < out[-1][1]:  # (sorted: a later point at equal bits is worse)
             out.append((b, v))
+    return out
+
+
+# Methods whose damage is in loss units, so that a sum predicts a loss change (the others rank).
+LOSS_UNITS = ("isolated", "shapley")
+
+
+def validate(points: list[dict], methods: list[str]) -> dict:
+    """Spearman's rank correlation (every method) and mean absolute error (methods in loss
+    units) of the predicted against the measured calibration-loss change of ``points``
+    (dicts with ``"predicted"``: method -> summed score, and ``"delta_calib"``).
+
+    >>> pts = [{"predicted": {"shapley": p}, "delta_calib": m}
+    ...        for p, m in [(0.1, 0.12), (0.2, 0.18), (0.3, 0.33)]]
+    >>> v = validate(pts, ["shapley"])["shapley"]
+    >>> round(v["spearman"], 3), round(v["mae"], 4)
+    (1.0, 0.0233)
+    """
+    from scipy import stats
+
+    measured = np.array([p["delta_calib"] for p in points], np.float64)
+    out = {}
+    for m in methods:
+        pred = np.array([p["predicted"][m] for p in points], np.float64)
+        rho = stats.spearmanr(pred, measured).statistic if len(points) > 1 else None
+        row = {"spearman": None if rho is None or np.isnan(rho) else float(rho)}
+        if m in LOSS_UNITS:
+            row["mae"] = float(np.mean(np.abs(pred - measured)))
+        out[m] = row
     return out
 
 
@@ -310,6 +346,23 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
             log(f"qat {tag}: delta_val {val - fl['val_loss']:+.4f} (PTQ "
                 f"{best['delta_val']:+.4f})")
 
+    rng = np.random.default_rng(int(c.seed))
+    options = ["none", *candidates]
+    random_points = []
+    for i in range(int(c.random_recipes)):
+        ch = {g: options[int(k)] for g, k in zip(ref.sites, rng.integers(0, len(options),
+                                                                          len(ref.sites)),
+                                                 strict=True)}
+        rec = point(_rules(ch, ref), {
+            "index": i, "bits": ref.bits(ch), "counts": _counts(ch, ref.members),
+            "choices": ch, "predicted": {m: s.predicted(ch) for m, s in scores.items()},
+        }, calib=True)
+        random_points.append(rec)
+    validation = {"recipes": len(random_points), "measured": "delta_calib",
+                  "methods": validate(random_points, methods) if random_points else {}}
+    for m, v in validation["methods"].items():
+        log(f"validation {m}: spearman {v['spearman']}, mae {v.get('mae')}")
+
     fronts = {m: pareto([(p["bits"], p["val_loss"]) for p in plans if p["method"] == m])
               for m in methods}
     fronts["heuristics"] = pareto([(h["bits"], h["val_loss"]) for h in heuristics])
@@ -330,6 +383,8 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
         "plans": plans,
         "heuristics": heuristics,
         "qat": qat,
+        "random_recipes": random_points,
+        "validation": validation,
         "pareto": fronts,
         "config": c.to_dict() if hasattr(c, "to_dict") else dict(c),
         "seconds": time.perf_counter() - t0,
@@ -374,6 +429,15 @@ def render_markdown(result: dict, command: str = "") -> str:
             f"{f(r.get('ratio_shapley'), '.2f')} | {f(r.get('sum_isolated'))} | "
             f"{f(r.get('ratio_isolated'), '.2f')} |"
         )
+    val = result.get("validation") or {}
+    if val.get("methods"):
+        lines += ["", f"## Validation: {val['recipes']} random mixed-precision recipes", "",
+                  "Summed scores of each recipe's sites against its measured calibration-loss "
+                  "change (the batches the scores were computed on). MAE in loss units, for "
+                  "the methods whose scores are in loss units.", "",
+                  "| method | Spearman | MAE |", "|---|---|---|"]
+        for m, v in val["methods"].items():
+            lines.append(f"| {m} | {f(v['spearman'], '.3f')} | {f(v.get('mae'), '.4f')} |")
     lines += ["", "## Plans per method and budget", "",
               "| method | budget | bits | predicted | delta val | sites |",
               "|---|---|---|---|---|---|"]
@@ -422,7 +486,22 @@ def plot(result: dict, path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    pts = result.get("random_recipes") or []
+    if pts:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+        measured = [p["delta_calib"] for p in pts]
+        for i, m in enumerate(result["methods"]):
+            if m in LOSS_UNITS:
+                ax2.scatter(measured, [p["predicted"][m] for p in pts], s=14, alpha=0.7,
+                            color=f"C{i}", label=m)
+        lo, hi = min(measured), max(measured)
+        ax2.plot([lo, hi], [lo, hi], "k--", lw=1, label="predicted = measured")
+        ax2.set_xlabel("measured loss change (calibration batches)")
+        ax2.set_ylabel("predicted (summed scores)")
+        ax2.set_title(f"{len(pts)} random mixed-precision recipes")
+        ax2.legend(fontsize=8)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
     series = {m: [(p["bits"], p["val_loss"]) for p in result["plans"] if p["method"] == m]
               for m in result["methods"]}
     series["heuristics"] = [(h["bits"], h["val_loss"]) for h in result["heuristics"]]

@@ -14,6 +14,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import lowbit as lb
@@ -44,6 +45,7 @@ def tiny_study(tmp: Path, mlp: str = "dense", *, full: bool = False):
     c.calib_batches, c.eval_batches, c.shapley_steps = 1, 2, 2
     c.heuristic_low, c.heuristic_high, c.matched = "qat_mxfp4", "qat_mxfp8", False
     c.candidates = "qat_mxfp8,qat_mxfp4"
+    c.random_recipes = 4 if full else 3  # each a new quantized program to compile
     if full:
         c.budgets, c.qat_steps, c.qat_budgets = "4.5,6", 2, "4.5"
     else:
@@ -88,7 +90,25 @@ def check_study(study, methods, budgets):
     # completeness ratios per candidate, for shapley and isolated
     assert [r["recipe"] for r in result["completeness"]] == result["candidates"]
     assert all("ratio_shapley" in r and "ratio_isolated" in r for r in result["completeness"])
+    # the random recipes: measured on the calibration batches, predicted by every method
+    n = c.random_recipes
+    pts = result["random_recipes"]
+    assert len(pts) == n == result["validation"]["recipes"]
+    fl = result["float"]["calib_loss"]
+    for p in pts:
+        assert p["delta_calib"] == pytest.approx(p["calib_loss"] - fl)
+        assert set(p["predicted"]) == set(methods) and set(p["choices"].values()) <= {
+            "none", *result["candidates"]}
+    v = result["validation"]["methods"]
+    assert set(v) == set(methods)
+    for m in methods:
+        assert v[m]["spearman"] is None or -1 <= v[m]["spearman"] <= 1
+        assert ("mae" in v[m]) == (m in ("isolated", "shapley"))
+    if "shapley" in methods:  # the MAE is that of the recorded predictions
+        mae = np.mean([abs(p["predicted"]["shapley"] - p["delta_calib"]) for p in pts])
+        assert v["shapley"]["mae"] == pytest.approx(mae)
     text = md.read_text()
+    assert f"Validation: {n} random mixed-precision recipes" in text
     for m in methods:
         assert f"| {m} |" in text
     assert "mlp_only" in text and "Pareto" in text
