@@ -15,9 +15,10 @@ config and its own ``--process_id``::
         --num_processes=2 --process_id=$i &
     done; wait
 
-Under a cluster launcher that JAX recognises (SLURM's ``srun``, Open MPI's ``mpirun``) no
-flag is needed: :func:`initialize` calls ``jax.distributed.initialize()`` with no arguments
-and JAX reads the process count, ids and coordinator from the launcher's environment.
+Under a cluster launcher that JAX recognises (SLURM's ``srun``, Open MPI's ``mpirun``, a
+multi-host TPU pod slice) no flag is needed: :func:`initialize` calls
+``jax.distributed.initialize()`` with no arguments and JAX reads the process count, ids and
+coordinator from the launcher's environment.
 
 What the training loop does with several processes (``experiments.training``): the mesh spans
 every process's devices; each process draws the same global batch (the data position is one
@@ -48,13 +49,17 @@ _ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 
 
 def launcher() -> str | None:
-    """The cluster launcher that started several processes of this job, or None."""
+    """The cluster launcher that started several processes of this job, or None: SLURM
+    (``SLURM_NTASKS``), Open MPI (``OMPI_COMM_WORLD_SIZE``) or a TPU pod slice of several hosts
+    (``TPU_WORKER_HOSTNAMES``), the environments JAX's own cluster detection reads."""
     for var, name in _LAUNCHERS.items():
         try:
             if int(os.environ.get(var, "1")) > 1:
                 return name
         except ValueError:
             continue
+    if len([h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1:
+        return "TPU pod"
     return None
 
 

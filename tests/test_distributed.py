@@ -212,3 +212,21 @@ def test_flags_are_checked_before_anything_starts():
         distributed.initialize("127.0.0.1:1234", 2, 1, timeout_s=0)
     assert distributed.initialize("127.0.0.1:1234", 1, 0) is False  # one process: nothing
     assert distributed.is_writer()
+
+
+def test_launchers_are_recognised_from_their_environment(monkeypatch):
+    for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(var, raising=False)
+    assert distributed.launcher() is None
+    monkeypatch.setenv("SLURM_NTASKS", "1")  # one task: nothing to join
+    assert distributed.launcher() is None
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert distributed.launcher() == "SLURM"
+    monkeypatch.delenv("SLURM_NTASKS")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    assert distributed.launcher() == "Open MPI"
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t0")
+    assert distributed.launcher() is None
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t0,t1")
+    assert distributed.launcher() == "TPU pod"
