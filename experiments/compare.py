@@ -217,7 +217,7 @@ def summarize(
                 "val_loss": r.val_mean,
                 "val_loss_std": r.val_std,
                 "gap_pct": 100 * (r.val_mean / base.val_mean - 1) if base else None,
-                "paired_gap_pct": statistics.fmean(paired) if paired else None,
+                "paired_gap_pct": mean,
                 "paired_gap_std": statistics.stdev(paired) if len(paired) > 1 else None,
                 # CONFIDENCE half-width of the paired gap's noise, its basis, and whether the
                 # gap lies outside it (None: the baseline itself, or no noise estimate)
