@@ -40,6 +40,10 @@ KEYS = 64
 RUNS = "runs"  # 02_training_curves: no runs in the temporary folder, so it trains a tiny demo
 DEMO_STEPS = 6
 DEMO_RECIPES = ["none", "mxfp4"]  # the float baseline and one quantized run: every plot drawn
+DEMO_MODEL = dict(d_model=32, layers=1, heads=2, seq_len=32)  # 02: the smallest GPT
+BLOCKS = [16, 32, 256]  # 01: the block-size sweep's ends and the MX block
+RULE_RECIPES = ["qat_mxfp8", "qat_nvfp4"]  # 03: two one-format rules
+GRAD_KEYS = 2  # 03: two stochastic-rounding keys (the cell checks that they differ)
 PTQ_STUDY_TINY = True  # 04_ptq_vs_qat: a tiny digits study, whatever runs/ holds
 CALIB_BATCHES = 2
 TINY_METHODS = "entropy"

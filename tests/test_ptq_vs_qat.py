@@ -19,7 +19,7 @@ def _quiet(*_):
 def test_a_tiny_study_and_qat_recovers_what_ptq_lost(tmp_path):
     c = study_config.get_config("family=digits,size=tiny")
     c.workdir = c.base.workdir = str(tmp_path)
-    c.base.train.steps, c.base.train.progress = 30, False
+    c.base.train.steps, c.base.train.eval_every, c.base.train.progress = 30, 0, False
     c.formats, c.methods = "mxfp4", "max"
     # smoothing and SVDQuant are pinned by tests/test_ptq.py; here the study's plumbing
     c.smooth, c.svd_rank, c.qat_steps, c.float_control = False, 0, 10, False
