@@ -119,15 +119,37 @@ def _prepare(x, spec, gemm: GemmSpec, axis, other_axis, key, signs, use_barrier:
                            use_barrier=use_barrier, packed=packed, native=native)
 
 
-def _fwd_operands(lhs, rhs, dims: _Dims, recipe: Recipe, key, native: bool):
+def _fwd_operands(lhs, rhs, dims: _Dims, recipe: Recipe, key, native: bool,
+                  masks: bool = False):
+    """The forward GEMM's operands (in its Hadamard basis) and signs; with ``masks``, also
+    the two operands' trust masks (None where a spec has none)."""
     g = recipe.fwd
     signs = gemm_signs(g, key, _FWD)
     lk, rk = (fold_key(key, _FWD, i) if key is not None else None for i in (0, 1))
-    lq = _prepare(lhs, g.lhs, g, _last(dims.lhs_contract), _last(dims.lhs_free), lk, signs, True,
-                  native=native)
-    rq = _prepare(rhs, g.rhs, g, _last(dims.rhs_contract), _last(dims.rhs_free), rk, signs, True,
-                  native=native)
+    lq = prepare_operand(lhs, g.lhs, g, _last(dims.lhs_contract), _last(dims.lhs_free), lk,
+                         signs, native=native, with_mask=masks)
+    rq = prepare_operand(rhs, g.rhs, g, _last(dims.rhs_contract), _last(dims.rhs_free), rk,
+                         signs, native=native, with_mask=masks)
+    if masks:
+        (lq, ml), (rq, mr) = lq, rq
+        return lq, rq, signs, ml, mr
     return lq, rq, signs
+
+
+def _through_forward(g, mask, gemm: GemmSpec, axis, signs, rotated: bool):
+    """The gradient ``g`` of a forward operand carried back through the forward's quantizer:
+    into the forward's Hadamard basis (unless ``rotated``: ``g`` is already the gradient of
+    the operand's value inside it), the trust mask, and out of the basis again."""
+    if mask is None and not rotated:
+        return g
+    h = gemm.hadamard if axis is not None else None
+    if h and not rotated:
+        g = _hadamard.hadamard_transform(g, h, signs=signs, axis=axis)
+    if mask is not None:
+        g = jnp.where(mask, g, np.float32(0))
+    if h:
+        g = _hadamard.hadamard_transform(g, h, signs=signs, axis=axis, inverse=True)
+    return g
 
 
 def _effective(xq, gemm: GemmSpec, axis, signs):
@@ -231,6 +253,31 @@ def _pallas_bwd(lhs, rhs, dy, st: _Static, key):
     return dlhs.reshape(lhs.shape), (drhs if rc == 0 else drhs.T)
 
 
+def _pallas_bwd_through_forward(lhs, rhs, dy, st: _Static, key):
+    """:func:`_pallas_bwd` for a backward through the forward's quantizers: the forward's
+    operands and trust masks from the emulation, the two backward GEMMs through the kernels
+    (on the forward-quantized operands in its basis when ``backward_operands="forward"``),
+    then the masks and the inverse of the forward's transform."""
+    recipe, rc = st.recipe, st.dn[0][1][0]
+    dims = _Dims.of(st.dn, lhs.ndim, rhs.ndim)
+    lq, rq, signs, ml, mr = _fwd_operands(lhs, rhs, dims, recipe, key, st.native, masks=True)
+    rotated = recipe.backward_operands == "forward"
+    if rotated:
+        dl, dr = recipe.dlhs, recipe.drhs
+        k, n = lhs.shape[-1], dy.shape[-1]
+        dlhs = _gemm(dy.reshape(-1, n), rq.T if rc == 0 else rq, dl, key, _DLHS,
+                     gemm_signs(dl, key, _DLHS), st).reshape(lhs.shape)
+        drhs = _gemm(lq.reshape(-1, k).T, dy.reshape(-1, n), dr, key, _DRHS,
+                     gemm_signs(dr, key, _DRHS), st)
+        drhs = drhs if rc == 0 else drhs.T
+    else:  # trust masks only: the usual backward, then the masks
+        dlhs, drhs = _pallas_bwd(lhs, rhs, dy, st, key)
+    f = recipe.fwd
+    dlhs = _through_forward(dlhs, ml, f, lhs.ndim - 1, signs, rotated=rotated)
+    drhs = _through_forward(drhs, mr, f, rc, signs, rotated=rotated)
+    return dlhs, drhs
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _qdot(lhs, rhs, key, st: _Static):
     if st.pallas:
@@ -279,15 +326,47 @@ def _bwd_static_operands(lhs, rhs, lq, rq, fwd_signs, dims: _Dims, recipe: Recip
     return w_dl, x_dr, s_dl, s_dr
 
 
+def _bwd_forward_operands(lhs, rhs, dy, st: _Static, key):
+    """The backward of ``backward_operands="forward"``: both backward GEMMs take the forward's
+    quantized operands in its Hadamard basis (quantized again per their specs), and their
+    gradients return through the forward's quantizers (trust masks, inverse transform)."""
+    recipe, dn = st.recipe, st.dn
+    f, dl, dr = recipe.fwd, recipe.dlhs, recipe.drhs
+    dims = _Dims.of(dn, len(st.lhs_shape), len(st.rhs_shape))
+    lq, rq, signs, ml, mr = _fwd_operands(lhs, rhs, dims, recipe, key, st.native, masks=True)
+    s_dl, s_dr = gemm_signs(dl, key, _DLHS), gemm_signs(dr, key, _DRHS)
+    w_dl = _prepare(rq, dl.rhs, dl, _last(dims.rhs_free), _last(dims.rhs_contract),
+                    fold_key(key, _DLHS, 1), s_dl, True, native=st.native)
+    x_dr = _prepare(lq, dr.lhs, dr, _last(dims.lhs_free), _last(dims.lhs_contract),
+                    fold_key(key, _DRHS, 0), s_dr, True, native=st.native)
+    dy_dl = _prepare(dy, dl.lhs, dl, _last(dims.out_rhs_free), _last(dims.out_lhs_free),
+                     fold_key(key, _DLHS, 0), s_dl, True, native=st.native)
+    dy_dr = _prepare(dy, dr.rhs, dr, _last(dims.out_lhs_free), _last(dims.out_rhs_free),
+                     fold_key(key, _DRHS, 1), s_dr, True, native=st.native)
+    g_l = _transpose_lhs(dy_dl, w_dl, dn, st.lhs_shape)
+    g_r = _transpose_rhs(dy_dr, x_dr, dn, st.rhs_shape)
+    dlhs = _through_forward(g_l, ml, f, _last(dims.lhs_contract), signs, rotated=True)
+    drhs = _through_forward(g_r, mr, f, _last(dims.rhs_contract), signs, rotated=True)
+    return dlhs.astype(st.lhs_dtype), drhs.astype(st.rhs_dtype), None
+
+
 def _qdot_bwd(st: _Static, res, dy):
     saved, lhs, rhs, key = res
     recipe, dn = st.recipe, st.dn
     if st.pallas:
-        dlhs, drhs = _pallas_bwd(lhs, rhs, dy, st, key)
+        bwd = _pallas_bwd_through_forward if recipe.through_forward else _pallas_bwd
+        dlhs, drhs = bwd(lhs, rhs, dy, st, key)
         return dlhs.astype(st.lhs_dtype), drhs.astype(st.rhs_dtype), None
+    if recipe.backward_operands == "forward":
+        return _bwd_forward_operands(lhs, rhs, dy, st, key)
     dims = _Dims.of(dn, len(st.lhs_shape), len(st.rhs_shape))
+    ml = mr = None
     if saved is None:
-        lq, rq, signs = _fwd_operands(lhs, rhs, dims, recipe, key, st.native)
+        if recipe.through_forward:  # trust masks: the gradients pass them below
+            lq, rq, signs, ml, mr = _fwd_operands(lhs, rhs, dims, recipe, key, st.native,
+                                                  masks=True)
+        else:
+            lq, rq, signs = _fwd_operands(lhs, rhs, dims, recipe, key, st.native)
         w_dl, x_dr, s_dl, s_dr = _bwd_static_operands(
             lhs, rhs, lq, rq, signs, dims, recipe, key, native=st.native
         )
@@ -300,9 +379,13 @@ def _qdot_bwd(st: _Static, res, dy):
                      fold_key(key, _DLHS, 0), s_dl, True, native=st.native)
     dy_dr = _prepare(dy, dr.rhs, dr, _last(dims.out_lhs_free), _last(dims.out_rhs_free),
                      fold_key(key, _DRHS, 1), s_dr, True, native=st.native)
-    dlhs = _transpose_lhs(dy_dl, w_dl, dn, st.lhs_shape).astype(st.lhs_dtype)
-    drhs = _transpose_rhs(dy_dr, x_dr, dn, st.rhs_shape).astype(st.rhs_dtype)
-    return dlhs, drhs, None
+    dlhs = _transpose_lhs(dy_dl, w_dl, dn, st.lhs_shape)
+    drhs = _transpose_rhs(dy_dr, x_dr, dn, st.rhs_shape)
+    if ml is not None or mr is not None:
+        f = recipe.fwd
+        dlhs = _through_forward(dlhs, ml, f, _last(dims.lhs_contract), signs, rotated=False)
+        drhs = _through_forward(drhs, mr, f, _last(dims.rhs_contract), signs, rotated=False)
+    return dlhs.astype(st.lhs_dtype), drhs.astype(st.rhs_dtype), None
 
 
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)

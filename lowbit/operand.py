@@ -24,8 +24,8 @@ import numpy as np
 from lowbit import formats as _formats
 from lowbit import hadamard as _hadamard
 from lowbit import qarray as _qa
-from lowbit.numerics import materialize, round_to_grid, uniform_bits
-from lowbit.recipes import GemmSpec, QuantSpec
+from lowbit.numerics import exponent, ieee_div, materialize, pow2, round_to_grid, uniform_bits
+from lowbit.recipes import GEMMS, GemmSpec, QuantSpec
 
 __all__ = [
     "quantize_operand",
@@ -37,6 +37,7 @@ __all__ = [
     "barrier",
     "clip_to_rms",
     "apply_static_amax",
+    "std_scaled_quantize",
 ]
 
 _TENSOR_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
@@ -54,9 +55,12 @@ def fold_key(key, *tags):
 
 def gemm_signs(gemm: GemmSpec, key, tag: int):
     """The random Hadamard signs of one GEMM (None: no Hadamard, or fixed +1 signs), drawn from
-    ``key`` folded with ``1000 + tag`` (a fixed key when the call has none)."""
+    ``key`` folded with ``1000 + tag`` (a fixed key when the call has none); ``tag`` is the
+    GEMM's index in ``recipes.GEMMS``, or that of the GEMM named by ``gemm.signs_of``."""
     if not gemm.hadamard or not gemm.random_signs:
         return None
+    if gemm.signs_of is not None:
+        tag = GEMMS.index(gemm.signs_of)
     k = fold_key(key, 1000 + tag) if key is not None else jax.random.key_data(jax.random.key(0))
     return _hadamard.random_signs(jax.random.wrap_key_data(k), gemm.hadamard)
 
@@ -120,6 +124,44 @@ def clip_to_rms(x, spec: QuantSpec, axis: int):
     return jnp.clip(x, -bound, bound)
 
 
+def std_scaled_quantize(x, spec: QuantSpec, axis: int, key=None):
+    """QuEST's quantizer (``spec.scale_std``): fake-quantized float32 values and the trust
+    mask (True where ``|x / scale| < elem_max``), both shaped like ``x``.
+
+    Blocks of the format's size run along ``axis``. Per block: ``std`` over its elements
+    (population, ``sqrt(E[x^2] - E[x]^2)``, 1 where rounding makes that negative), scale
+    ``2**floor(log2(scale_std / elem_max * std + 1e-8))`` (the exponent read from the float32
+    bits, exact), elements ``x / scale`` (exact for a power of two) times ``spec.prescale``,
+    rounded onto the grid (nearest-even, or stochastic from ``key``) with saturation at the
+    grid's max, values ``elements * scale / prescale``. The QuEST code rounds ties towards zero;
+    ties have probability zero for real-valued data.
+    """
+    fmt = _formats.get(spec.format)
+    elem, b = fmt.elem, fmt.block_size
+    n = x.shape[axis]
+    if n % b:
+        raise ValueError(
+            f"scale_std quantizes blocks of {b} along an axis of length {n}: the length must "
+            f"be a multiple of {b}"
+        )
+    v = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+    shape = v.shape
+    vb = v.reshape(*shape[:-1], n // b, b)
+    mean = jnp.mean(vb, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(vb), axis=-1, keepdims=True) - jnp.square(mean)
+    std = jnp.where(var >= 0, jnp.sqrt(jnp.maximum(var, 0)), np.float32(1.0))
+    target = np.float32(spec.scale_std / elem.max) * std + np.float32(1e-8)
+    scale = pow2(jnp.clip(exponent(target), -126, 126))
+    scaled = ieee_div(vb, scale)
+    mask = jnp.abs(scaled) < np.float32(elem.max)
+    if spec.prescale != 1.0:
+        scaled = scaled * np.float32(spec.prescale)
+    rbits = uniform_bits(key, scaled.shape) if spec.stochastic else None
+    q = _qa.ungain(round_to_grid(scaled, elem, rbits=rbits, saturate=True) * scale, spec.prescale)
+    back = lambda a: jnp.moveaxis(a.reshape(shape), -1, axis)  # noqa: E731
+    return back(q), back(mask)
+
+
 def quantize_operand(
     x: jax.Array,
     spec: QuantSpec | None,
@@ -149,6 +191,14 @@ def quantize_operand(
             f"the recipe rounds an operand stochastically ({spec.format}): pass key= to "
             "lowbit.dot_general (or a 'quant' rng stream in Flax)"
         )
+    if spec.scale_std is not None:
+        if packed:
+            raise ValueError(
+                f"a scale_std spec ({spec.format}, QuEST's scale rule) has no packed form yet"
+            )
+        if hadamard is not None:
+            x = hadamard_along(x, axis, hadamard, signs)
+        return std_scaled_quantize(x, spec, axis, key if spec.stochastic else None)[0]
     two_d = spec.block_shape is not None and len(spec.block_shape) == 2
     fuse = (hadamard is not None and spec.clip_rms is None and spec.granularity == "block"
             and not two_d and not packed and spec.amax is None)
@@ -194,13 +244,23 @@ def unpack_operand(packed, spec: QuantSpec | None) -> jax.Array:
 
 
 def prepare_operand(x, spec: QuantSpec | None, gemm: GemmSpec, axis, other_axis, key, signs,
-                    *, use_barrier: bool = True, packed: bool = False, native: bool = True):
+                    *, use_barrier: bool = True, packed: bool = False, native: bool = True,
+                    with_mask: bool = False):
     """One operand of a GEMM of a recipe: the barrier (see :func:`barrier`), ``gemm``'s
     Hadamard transform along ``axis``, then :func:`quantize_operand`; float32, or packed.
-    ``axis`` None (nothing contracted): the operand as it is."""
+    ``axis`` None (nothing contracted): the operand as it is. ``with_mask``: also the trust
+    mask of a ``trust_mask`` spec (:func:`std_scaled_quantize`; None for other specs), as
+    ``(values, mask)``."""
     x = x.astype(jnp.float32)
     if use_barrier and (spec is not None or gemm.hadamard):
         x = barrier(x)
+    if with_mask:
+        if spec is None or not spec.trust_mask or axis is None:
+            return prepare_operand(x, spec, gemm, axis, other_axis, key, signs,
+                                   use_barrier=False, native=native), None
+        if gemm.hadamard:
+            x = hadamard_along(x, axis, gemm.hadamard, signs)
+        return std_scaled_quantize(x, spec, axis, key if spec.stochastic else None)
     if axis is None:
         return x
     return quantize_operand(x, spec, axis, other_axis, key, packed=packed,

@@ -32,10 +32,22 @@ import dataclasses
 from lowbit import formats as _formats
 from lowbit.qarray import ROUNDINGS, SCALE_MODES
 
-__all__ = ["QuantSpec", "GemmSpec", "Recipe", "get", "names", "register", "TENSOR_ELEMENTS"]
+__all__ = [
+    "QuantSpec",
+    "GemmSpec",
+    "Recipe",
+    "get",
+    "names",
+    "register",
+    "TENSOR_ELEMENTS",
+    "GEMMS",
+    "BACKWARD_OPERANDS",
+]
 
 # Element formats usable with granularity="tensor" (one float32 scale per tensor).
 TENSOR_ELEMENTS = ("e4m3", "e5m2")
+GEMMS = ("fwd", "dlhs", "drhs")  # the three GEMMs of a recipe, in fold_in tag order
+BACKWARD_OPERANDS = ("high", "forward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +74,16 @@ class QuantSpec:
         scales stay dynamic, blocks above it saturate); per-tensor FP8 scales by
         ``elem_max / amax`` (values beyond it saturate); an MX format clips the operand to
         ``+-amax`` before its (dynamic, by definition) block scales.
+      scale_std: QuEST's scale rule instead of the format's amax rule (MX formats only): each
+        block's power-of-two scale is ``2**floor(log2(scale_std / elem_max * std + 1e-8))``,
+        ``std`` the block's standard deviation (population, mean removed), so that
+        ``+-scale_std`` standard deviations span the element grid; elements beyond the grid
+        saturate. Quartet's forward uses 2.92247856 (the MSE-optimal clip of a Gaussian for
+        FP4). None: the format's own rule.
+      trust_mask: for a forward operand, QuEST's trust estimator: the backward zeroes the
+        gradient of every element whose scaled magnitude reached the element grid's max
+        (``|x / scale| >= elem_max``), in the basis the forward quantized it (inside the
+        forward's Hadamard transform). Needs ``scale_std``.
     """
 
     format: str
@@ -72,6 +94,8 @@ class QuantSpec:
     prescale: float = 1.0
     clip_rms: float | None = None
     amax: float | None = None
+    scale_std: float | None = None
+    trust_mask: bool = False
 
     def __post_init__(self):
         if self.granularity == "tensor":
@@ -96,6 +120,36 @@ class QuantSpec:
             if not (a > 0 and a < float("inf")):
                 raise ValueError(f"amax must be a finite positive number or None, got {self.amax}")
             object.__setattr__(self, "amax", a)
+        if self.scale_std is not None:
+            self._check_scale_std()
+        if self.trust_mask and self.scale_std is None:
+            raise ValueError(
+                "trust_mask=True needs scale_std (the mask marks the elements that QuEST's "
+                "std-scaled quantizer saturates)"
+            )
+
+    def _check_scale_std(self) -> None:
+        c = float(self.scale_std)
+        if not (c > 0 and c < float("inf")):
+            raise ValueError(f"scale_std must be a finite positive number, got {self.scale_std}")
+        object.__setattr__(self, "scale_std", c)
+        fmt = None if self.granularity != "block" else _formats.get(self.format)
+        clash = [
+            n for n, bad in (
+                ("granularity='tensor'", fmt is None),
+                (f"{self.format} (its scales are not powers of two)",
+                 fmt is not None and fmt.tensor_scale),
+                (f"block_shape={self.block_shape}", self.block_shape is not None),
+                ("scale_mode", self.scale_mode is not None),
+                ("clip_rms", self.clip_rms is not None),
+                ("amax", self.amax is not None),
+            ) if bad
+        ]
+        if clash:
+            raise ValueError(
+                f"scale_std sets the block scales of an MX format along the contraction axis "
+                f"(blocks of the format's own size); it does not combine with {', '.join(clash)}"
+            )
 
     @property
     def stochastic(self) -> bool:
@@ -121,13 +175,21 @@ class GemmSpec:
     ``hadamard`` is a block size (16..256) of a Walsh-Hadamard transform applied along the
     GEMM's contraction axis to both operands before quantization (it cancels in exact
     arithmetic). ``random_signs``: a random +-1 diagonal drawn from the call's key first
-    (a fixed key when the call has none).
+    (a fixed key when the call has none); False: the plain (Sylvester) transform.
+    ``signs_of``: draw the signs of another GEMM of the recipe (``"fwd"``, ``"dlhs"`` or
+    ``"drhs"``) instead of this one's own, so that both share one sign vector per call (as
+    Quartet's backward does); None: this GEMM's own.
     """
 
     lhs: QuantSpec | None = None
     rhs: QuantSpec | None = None
     hadamard: int | None = None
     random_signs: bool = True
+    signs_of: str | None = None
+
+    def __post_init__(self):
+        if self.signs_of is not None and self.signs_of not in GEMMS:
+            raise ValueError(f"signs_of must be one of {GEMMS} or None, got {self.signs_of!r}")
 
     @property
     def active(self) -> bool:
@@ -149,6 +211,15 @@ class Recipe:
     high-precision operands and quantizes again in the backward (least memory traffic in
     the forward); ``"quantized"`` quantizes the backward operands in the forward and saves
     them packed (QArray), which is what a memory-bound real deployment does.
+
+    ``backward_operands``: where the backward GEMMs' x (wgrad) and w (dgrad) come from.
+    ``"high"``: the high-precision tensors (a None spec: the forward-quantized value,
+    straight-through). ``"forward"``: the forward-quantized values in the basis the forward
+    multiplied them (inside its Hadamard transform), quantized again by the backward specs
+    (None: as they are); the gradients the backward GEMMs produce are gradients of those
+    values, and return through the forward quantizers: their trust masks, then the inverse of
+    the forward's transform. So the backward is the chain rule through the forward's own
+    quantized GEMM (Quartet's ``Q(E)Q(Wt)t_Q(Et)Q(Xt)t`` scheme).
     """
 
     name: str
@@ -158,10 +229,40 @@ class Recipe:
     residuals: str = "high"
     description: str = ""
     source: str = ""
+    backward_operands: str = "high"
 
     def __post_init__(self):
         if self.residuals not in ("high", "quantized"):
             raise ValueError(f"residuals must be 'high' or 'quantized', got {self.residuals!r}")
+        if self.backward_operands not in BACKWARD_OPERANDS:
+            raise ValueError(
+                f"backward_operands must be one of {BACKWARD_OPERANDS}, got "
+                f"{self.backward_operands!r}"
+            )
+        if self.through_forward and self.residuals != "high":
+            raise ValueError(
+                "residuals='quantized' does not combine with backward_operands='forward' or a "
+                "trust_mask: the backward recomputes the forward's quantized operands and masks"
+            )
+        gemms = dict(zip(GEMMS, (self.fwd, self.dlhs, self.drhs), strict=True))
+        for name, g in gemms.items():
+            if g.signs_of is not None and g.hadamard != gemms[g.signs_of].hadamard:
+                raise ValueError(
+                    f"{name}.signs_of={g.signs_of!r}: both GEMMs need the same Hadamard block, "
+                    f"got {g.hadamard} and {gemms[g.signs_of].hadamard}"
+                )
+        for name in ("dlhs", "drhs"):
+            for side in ("lhs", "rhs"):
+                spec = getattr(gemms[name], side)
+                if spec is not None and spec.trust_mask:
+                    raise ValueError(f"{name}.{side}: trust_mask applies to forward operands")
+
+    @property
+    def through_forward(self) -> bool:
+        """Whether the backward runs through the forward's quantizers (``backward_operands
+        ="forward"`` or a forward trust mask)."""
+        masks = any(s is not None and s.trust_mask for s in (self.fwd.lhs, self.fwd.rhs))
+        return self.backward_operands == "forward" or masks
 
     @property
     def is_identity(self) -> bool:
@@ -288,19 +389,40 @@ register(
     )
 )
 
-_qf = QuantSpec("mxfp4", clip_rms=2.92)
+# Quartet as its public code runs it (IST-DASLab/Quartet; files under src/models/quantization/):
+# - forward, QuestMXFP4Quantizer (quantizers/mxfp4.py, kernel in quantizers/mxfp4_triton.py)
+#   on both x and w: a fixed orthonormal Sylvester Hadamard matrix of 32 along the contraction
+#   axis (built once from the identity, `rerotate=None`, so never re-drawn), each block of 32's
+#   power-of-two scale 2**floor(log2(2.92247856 / 6 * std + 1e-8)) from the block's own
+#   standard deviation (`quest=True`), rounding to the E2M1 grid with saturation at 6, and the
+#   trust mask `|x / scale| < 6` applied to the gradient in the rotated basis before the
+#   transpose of the Hadamard (QuestMXFP4QuantizerFn.backward); the GEMM multiplies the rotated
+#   values, whose Hadamards cancel;
+# - backward, scheme "Q(E)Q(Wt)t_Q(Et)Q(Xt)t" (quantization/__init__.py's QEQWtt_QEtQXttFn):
+#   the saved x and w are the forward-quantized (rotated) values, quantized again by the
+#   gradient quantizer together with E (dgrad along N, wgrad along the tokens), and the
+#   gradients return through the forward quantizers;
+# - the gradient quantizer, AlbertTsengQuantizer with hadamard_dim 32, rerotate "signs",
+#   stochastic (its launch scripts' G_QUANT_KWARGS): a random-sign Hadamard of 32 re-drawn once
+#   per backward call (re_randomize) and shared by all four quantizations of that call, the
+#   floor scale of the block's amax with the 3/4 gain (`gaussian_scale=3/4`, `quest=False`),
+#   stochastic rounding.
+_qf = QuantSpec("mxfp4", scale_std=2.92247856, trust_mask=True)
 _qb = QuantSpec("mxfp4", rounding="stochastic", prescale=0.75)
 register(
     Recipe(
         "quartet",
-        fwd=GemmSpec(_qf, _qf, hadamard=32),
+        fwd=GemmSpec(_qf, _qf, hadamard=32, random_signs=False),
         dlhs=GemmSpec(_qb, _qb, hadamard=32),
-        drhs=GemmSpec(_qb, _qb, hadamard=32),
-        description="Quartet: MXFP4 forward after a Hadamard transform with RMS clipping "
-        "(QuEST), MXFP4 backward after a random Hadamard transform with stochastic rounding "
-        "(scaled by 3/4 so nothing clips).",
+        drhs=GemmSpec(_qb, _qb, hadamard=32, signs_of="dlhs"),
+        backward_operands="forward",
+        description="Quartet: QuEST MXFP4 forward (fixed Hadamard of 32, per-block scales "
+        "from each block's standard deviation, trust mask in the backward); MXFP4 backward "
+        "GEMMs on the forward-quantized operands after a random-sign Hadamard shared by both "
+        "backward GEMMs, stochastic rounding with the 3/4 gain.",
         source="Castro et al. 2025, 'Quartet: Native FP4 Training Can Be Optimal for Large "
-        "Language Models' (arXiv:2505.14669); Panferov et al. 2025, QuEST (arXiv:2502.05003)",
+        "Language Models' (arXiv:2505.14669) and its code (IST-DASLab/Quartet); Panferov et "
+        "al. 2025, QuEST (arXiv:2502.05003)",
     )
 )
 

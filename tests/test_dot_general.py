@@ -48,7 +48,7 @@ from lowbit import recipes
 from lowbit.hadamard import hadamard_transform
 from lowbit.operand import fold_key as _fold
 from lowbit.operand import gemm_signs as _signs
-from lowbit.operand import quantize_operand
+from lowbit.operand import quantize_operand, std_scaled_quantize
 from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 
 U32 = 2.0**-24  # float32 unit roundoff
@@ -169,6 +169,26 @@ def _operand(x, spec, gemm, axes, key, signs):
     return quantize_operand(x, spec, axis, other, key)
 
 
+def _mask(x, spec, gemm, axes, signs):
+    """A forward operand's trust mask (None without one), in the forward's Hadamard basis."""
+    if spec is None or not spec.trust_mask:
+        return None
+    x = _hadamard(lax.optimization_barrier(x.astype(jnp.float32)), axes[0], gemm, signs)
+    return std_scaled_quantize(x, spec, axes[0])[1]
+
+
+def _through_forward(g, mask, gemm, axis, signs, rotated):
+    """The gradient of a forward operand's value (in the forward's basis when ``rotated``)
+    back to the high-precision operand: into the basis, the trust mask, out of it."""
+    if mask is None and not rotated:
+        return g
+    if not rotated:
+        g = _hadamard(g, axis, gemm, signs)
+    if mask is not None:
+        g = jnp.where(mask, g, 0.0)
+    return _hadamard(g, axis, gemm, signs, inverse=True)
+
+
 def reference(x, w, dy, key, case: Case, recipe: Recipe):
     """``(y, dx, dw)`` and the quantized operands of each GEMM, quantized by hand."""
     kd = None if key is None else jax.random.key_data(key)
@@ -179,19 +199,22 @@ def reference(x, w, dy, key, case: Case, recipe: Recipe):
     # Straight-through: the operand as the forward saw it, forward Hadamard undone.
     w_ste = _hadamard(w_f, case.fwd_rhs[0], f, s_f, inverse=True)
     x_ste = _hadamard(x_f, case.fwd_lhs[0], f, s_f, inverse=True)
+    # backward_operands="forward": the backward starts from the forward's values, its basis.
+    fwd_basis = recipe.backward_operands == "forward"
+    w_src = w_f if fwd_basis else (w if dl.rhs is not None else w_ste)
+    x_src = x_f if fwd_basis else (x if dr.lhs is not None else x_ste)
     dy_dl = _operand(dy, dl.lhs, dl, case.dlhs_dy, _fold(kd, 1, 0), s_dl)
-    w_dl = _operand(
-        w if dl.rhs is not None else w_ste, dl.rhs, dl, case.dlhs_rhs, _fold(kd, 1, 1), s_dl
-    )
-    x_dr = _operand(
-        x if dr.lhs is not None else x_ste, dr.lhs, dr, case.drhs_lhs, _fold(kd, 2, 0), s_dr
-    )
+    w_dl = _operand(w_src, dl.rhs, dl, case.dlhs_rhs, _fold(kd, 1, 1), s_dl)
+    x_dr = _operand(x_src, dr.lhs, dr, case.drhs_lhs, _fold(kd, 2, 0), s_dr)
     dy_dr = _operand(dy, dr.rhs, dr, case.drhs_dy, _fold(kd, 2, 1), s_dr)
-    out = (
-        _dot(x_f, w_f, case.dn),
-        _dot(dy_dl, w_dl, case.dlhs_dn),
-        _dot(x_dr, dy_dr, case.drhs_dn),
-    )
+    dx = _dot(dy_dl, w_dl, case.dlhs_dn)
+    dw = _dot(x_dr, dy_dr, case.drhs_dn)
+    if recipe.through_forward:
+        mx = _mask(x, f.lhs, f, case.fwd_lhs, s_f)
+        mw = _mask(w, f.rhs, f, case.fwd_rhs, s_f)
+        dx = _through_forward(dx, mx, f, case.fwd_lhs[0], s_f, fwd_basis)
+        dw = _through_forward(dw, mw, f, case.fwd_rhs[0], s_f, fwd_basis)
+    out = (_dot(x_f, w_f, case.dn), dx, dw)
     ops = ((x_f, w_f), (dy_dl, w_dl), (x_dr, dy_dr))
     return out, ops
 
@@ -267,10 +290,10 @@ def checked_program(recipe: Recipe, case_ids: tuple[str, ...]):
         out = {}
         for case_id in case_ids:
             case, (x, w, dy) = CASE[case_id], ins[case_id]
-            high, quantized = (
-                value_and_grads(x, w, dy, key, case.dn, recipe.replace(residuals=r))
-                for r in ("high", "quantized")
-            )
+            high = value_and_grads(x, w, dy, key, case.dn, recipe.replace(residuals="high"))
+            # (a backward through the forward's quantizers recomputes them: no packed residuals)
+            quantized = high if recipe.through_forward else value_and_grads(
+                x, w, dy, key, case.dn, recipe.replace(residuals="quantized"))
             out[case_id] = (high, quantized, *reference(x, w, dy, key, case, recipe))
         if MK_KN.id in case_ids:
             x, w, dy = ins[MK_KN.id]
@@ -898,6 +921,33 @@ def test_bad_key_raises(bad):
         _trace("nvfp4", key=bad)
 
 
+def test_quest_options_are_checked():
+    """scale_std, trust_mask, signs_of and backward_operands name what does not fit."""
+    with pytest.raises(ValueError, match="scale_std must be a finite positive"):
+        QuantSpec("mxfp4", scale_std=0.0)
+    with pytest.raises(ValueError, match=r"does not combine with nvfp4 \(its scales"):
+        QuantSpec("nvfp4", scale_std=2.9)
+    with pytest.raises(ValueError, match=r"does not combine with block_shape=\(16, 16\), clip_rms"):
+        QuantSpec("mxfp4", scale_std=2.9, block_shape=(16, 16), clip_rms=2.0)
+    with pytest.raises(ValueError, match="trust_mask=True needs scale_std"):
+        QuantSpec("mxfp4", trust_mask=True)
+    with pytest.raises(ValueError, match="signs_of must be one of"):
+        GemmSpec(hadamard=32, signs_of="bwd")
+    with pytest.raises(ValueError, match=r"drhs.signs_of='dlhs'.*same Hadamard block.*64 and 32"):
+        Recipe("r", dlhs=GemmSpec(hadamard=32), drhs=GemmSpec(hadamard=64, signs_of="dlhs"))
+    masked = QuantSpec("mxfp4", scale_std=2.9, trust_mask=True)
+    with pytest.raises(ValueError, match="dlhs.lhs: trust_mask applies to forward operands"):
+        Recipe("r", dlhs=GemmSpec(masked, None))
+    with pytest.raises(ValueError, match="backward_operands must be one of"):
+        Recipe("r", backward_operands="low")
+    with pytest.raises(ValueError, match="residuals='quantized' does not combine"):
+        recipes.get("quartet").replace(residuals="quantized")
+    odd = jax.ShapeDtypeStruct((64, 48), jnp.float32)  # K = 48: no whole blocks of 32
+    with pytest.raises(ValueError, match="scale_std quantizes blocks of 32.*length 48"):
+        _trace(Recipe("q", fwd=GemmSpec(masked, None)), lhs=odd,
+               rhs=jax.ShapeDtypeStruct((48, 64), jnp.float32))
+
+
 def test_hadamard_block_must_divide_the_axis():
     odd = jax.ShapeDtypeStruct((96, 96), jnp.float32)
     with pytest.raises(ValueError, match="multiple of 64"):  # K = 96 in the forward
@@ -957,7 +1007,10 @@ def test_implementations_agree(name):
                                                        implementation=impl)).lower(x, w)
 
     assert "lowbit_fake_quantize" not in lowered("xla").as_text()
-    assert "lowbit_fake_quantize" in lowered(None).as_text() or not recipe.fwd.active
+    # (QuEST's std-scaled quantizer, quartet's forward, has no kernel: it runs in XLA ops)
+    kernel_specs = [s for s in (recipe.fwd.lhs, recipe.fwd.rhs)
+                    if s is not None and s.scale_std is None]
+    assert ("lowbit_fake_quantize" in lowered(None).as_text()) == bool(kernel_specs)
 
 
 @pytest.mark.parametrize("name", ["qat_mxfp4", "w4a16_nvfp4", "quartet", "mxfp8"])

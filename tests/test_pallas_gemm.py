@@ -17,6 +17,7 @@ to the sum:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -197,12 +198,16 @@ def test_kernel_supports():
     with pytest.raises(TypeError, match="QuantSpec"):
         kernel_supports("mxfp4", None)
     assert kernel_supports(SR4P, SR4P) == (True, "")  # a prescale gain is the kernel's gain
-    # every recipe's GEMMs but per-tensor FP8 and NVFP4's 16x16 weight tiles
+    # every recipe's GEMMs but per-tensor FP8, NVFP4's 16x16 weight tiles and QuEST's
+    # std-scaled forward (quartet's)
     for pair in _recipe_pairs():
         tiles = any(s is not None and s.block_shape == (16, 16) for s in pair)
         tensor = any(s is not None and s.granularity == "tensor" for s in pair)
-        expected = not tensor and not tiles  # weight-only (None, spec) pairs included
+        quest = any(s is not None and s.scale_std is not None for s in pair)
+        expected = not tensor and not tiles and not quest  # weight-only pairs included
         assert kernel_supports(*pair)[0] == expected
+    ok, reason = kernel_supports(QuantSpec("mxfp4", scale_std=2.9), None)
+    assert not ok and "scale_std=2.9" in reason
     static = QuantSpec("nvfp4", amax=3.0)  # a calibrated static amax: the emulation runs
     ok, reason = kernel_supports(static, QuantSpec("nvfp4"))
     assert not ok and "static (calibrated) amax" in reason
@@ -285,7 +290,17 @@ def test_unaligned_shapes_lower_for_cuda():
 # lowbit.dot_general(..., implementation="pallas"): all three GEMMs through quantized_gemm
 
 _DN3 = (((2,), (0,)), ((), ()))  # x [B, T, K] . w [K, N]
-NEAREST_RECIPES = ["mxfp8", "mxfp4", "nvfp4", "fp8", "qat_mxfp4", "qat_nvfp4"]
+# quartet's scheme (QuEST forward in the emulation, the backward GEMMs on its quantized
+# operands through the kernels, trust masks) with nearest rounding in the backward, whose
+# stochastic draws would differ for the kernels' transposed operands
+_Q = lb.recipes.get("quartet")
+_QB = dataclasses.replace(_Q.dlhs.lhs, rounding="nearest")
+QUARTET_NEAREST = _Q.replace(
+    name="quartet_nearest",
+    dlhs=dataclasses.replace(_Q.dlhs, lhs=_QB, rhs=_QB),
+    drhs=dataclasses.replace(_Q.drhs, lhs=_QB, rhs=_QB),
+)
+NEAREST_RECIPES = ["mxfp8", "mxfp4", "nvfp4", "fp8", "qat_mxfp4", "qat_nvfp4", QUARTET_NEAREST]
 
 
 def _loss_and_grads(recipe, implementation, x, w, key):
@@ -297,7 +312,7 @@ def _loss_and_grads(recipe, implementation, x, w, key):
 
 
 @cpu_only
-@pytest.mark.parametrize("recipe", NEAREST_RECIPES)
+@pytest.mark.parametrize("recipe", NEAREST_RECIPES, ids=lambda r: lb.recipes.get(r).name)
 def test_dot_general_pallas_equals_xla_on_cpu(recipe):
     """On CPU the "pallas" implementation lowers the emulation of the same quantized operands
     through flattened and transposed 2-D GEMMs: outputs and both gradients equal the "xla"

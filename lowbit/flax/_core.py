@@ -535,6 +535,11 @@ def weight_spec(recipe: Recipe, where: str = "") -> QuantSpec | None:
         )
     if spec.prescale != 1.0:
         raise ValueError(f"recipe {recipe.name!r}{at}: a forward weight prescale is not packable")
+    if spec.scale_std is not None:
+        raise ValueError(
+            f"recipe {recipe.name!r}{at} scales the weight by its blocks' spread (scale_std, "
+            "QuEST); pack() stores the formats' own amax-scaled blocks"
+        )
     return spec
 
 

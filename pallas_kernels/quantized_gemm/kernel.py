@@ -44,6 +44,11 @@ def _spec_unsupported(spec: QuantSpec | None, name: str) -> str | None:
             f"{name}: granularity={spec.granularity!r} ({spec.format} with one scale per "
             "tensor) has no block-scaled kernel"
         )
+    if spec.scale_std is not None:
+        return (
+            f"{name}: scale_std={spec.scale_std} (QuEST's per-block scale from the block's "
+            "spread runs in the emulation)"
+        )
     if spec.amax is not None:
         return (
             f"{name}: a static (calibrated) amax={spec.amax} (the kernels take each call's "
