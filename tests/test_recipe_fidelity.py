@@ -268,6 +268,10 @@ def test_quartet_forward_needs_no_key_and_is_fixed():
     y0 = lb.dot_general(x, w, DN, recipe="quartet")
     y1 = lb.dot_general(x, w, DN, recipe="quartet", key=jax.random.key(5))
     np.testing.assert_array_equal(y0, y1)
-    np.testing.assert_allclose(np.asarray(y0, np.float64), quartet_reference()[0],
-                               atol=1e-5 * float(jnp.max(jnp.abs(y0))), rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(y0, np.float64),
+        quartet_reference()[0],
+        atol=1e-5 * float(jnp.max(jnp.abs(y0))),
+        rtol=0,
+    )
     assert lax.dot_general(x, w, DN).shape == y0.shape
