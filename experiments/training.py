@@ -174,12 +174,18 @@ class QuantConfig:
     # A saved lowbit.autoquant.Plan (JSON; None: no plan): its sites get their planned recipes
     # ("none" included) before high_precision and recipe apply. Stored as an absolute path.
     plan: str | None = None
+    # The recipe's definition version (lowbit.recipes.Recipe.version), filled in: recorded in
+    # config.json, so a run of an older definition of a recipe is not reused or resumed as one
+    # of the current definition (runs written before the field existed read as version 1).
+    recipe_version: int | None = None
 
     def __post_init__(self):
         try:
-            lb.recipes.get(self.recipe)
+            r = lb.recipes.get(self.recipe)
         except (ValueError, KeyError) as e:
             raise ValueError(f"quant.recipe: {e}") from None
+        if self.recipe_version is None:
+            object.__setattr__(self, "recipe_version", r.version)
         check_implementation(self.implementation, "quant.implementation")
         if self.plan is not None:
             if not isinstance(self.plan, str | os.PathLike) or not str(self.plan):
@@ -454,7 +460,7 @@ def _check_hadamard_fits(cfg: RunConfig) -> None:
 _RESUMABLE = {("train", "stop_at"), ("train", "progress"), ("train", "keep_checkpoints")}
 # Fields added after runs were written with no value for them, and the value those runs had in
 # effect (config_diff reads a missing key as this instead of None).
-_ADDED = {("init_from",): "", ("family",): DEFAULT_FAMILY}
+_ADDED = {("init_from",): "", ("family",): DEFAULT_FAMILY, ("quant", "recipe_version"): 1}
 # Model fields an init_from run may change: they do not change the parameters.
 _INIT_FROM_FREE = {"dtype"}
 

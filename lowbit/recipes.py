@@ -220,6 +220,9 @@ class Recipe:
     values, and return through the forward quantizers: their trust masks, then the inverse of
     the forward's transform. So the backward is the chain rule through the forward's own
     quantized GEMM (Quartet's ``Q(E)Q(Wt)t_Q(Et)Q(Xt)t`` scheme).
+
+    ``version``: raised whenever a registered recipe's definition changes, so that a run of
+    the old definition is not taken for one of the new (experiments record it with each run).
     """
 
     name: str
@@ -230,6 +233,7 @@ class Recipe:
     description: str = ""
     source: str = ""
     backward_operands: str = "high"
+    version: int = 1
 
     def __post_init__(self):
         if self.residuals not in ("high", "quantized"):
@@ -416,6 +420,7 @@ register(
         dlhs=GemmSpec(_qb, _qb, hadamard=32),
         drhs=GemmSpec(_qb, _qb, hadamard=32, signs_of="dlhs"),
         backward_operands="forward",
+        version=2,  # 1: an RMS clip and floor scales, re-quantized high-precision operands
         description="Quartet: QuEST MXFP4 forward (fixed Hadamard of 32, per-block scales "
         "from each block's standard deviation, trust mask in the backward); MXFP4 backward "
         "GEMMs on the forward-quantized operands after a random-sign Hadamard shared by both "

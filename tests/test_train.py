@@ -436,6 +436,20 @@ def test_compare_writes_curves_and_summary_and_reuses_finished_runs(tmp_path, co
     base.quant.implementation = "xla"
     with pytest.raises(ConfigError, match=r"quant\.implementation: None -> 'xla'.*pass --rerun"):
         compare.run_all(base, ["none"], [0], log=quiet)
+    base.quant.implementation = None
+    # A run of an older definition of its recipe (Recipe.version) is not reused either.
+    run_cfg = md.parent.parent / "mxfp4-s0" / "config.json"
+    saved = json.loads(run_cfg.read_text())
+    assert saved["quant"]["recipe_version"] == lb.recipes.get("mxfp4").version == 1
+    saved["quant"]["recipe_version"] = 0
+    run_cfg.write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match=r"quant\.recipe_version: 0 -> 1.*pass --rerun"):
+        compare.run_all(base, ["mxfp4"], [0], log=quiet)
+    del saved["quant"]["recipe_version"]  # written before the field: version 1
+    run_cfg.write_text(json.dumps(saved))
+    with monkeypatch.context() as m:
+        m.setattr(training, "train", no_training)
+        compare.run_all(base, ["mxfp4"], [0], log=quiet)
 
 
 def _result(recipe, vals, seeds=None):
