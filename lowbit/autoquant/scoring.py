@@ -532,23 +532,52 @@ class _Program:
     # shapley: credits along the joint path -------------------------------------------------
 
     @functools.cached_property
+    def weights(self):
+        """(state, batch, key, j) -> candidate ``j``'s quantized weight operand (``rq``) at
+        every site, as its forward GEMM multiplies it: the path points take them as inputs, so
+        that a weight is quantized once per call (once per batch for a candidate that draws
+        random numbers) instead of once per point. The model's forward is traced for the
+        sites' GEMMs only; XLA drops the rest."""
+
+        @functools.partial(jax.jit, static_argnums=3)
+        def f(state, batch, key, j):
+            out = [None] * len(self.index)
+
+            def hook(site, gemm, lhs, rhs):
+                i = self.index.get(site)
+                if i is not None:
+                    out[i] = self.operands(j, i, key, gemm, lhs, rhs)[1]
+                return self._float(gemm, lhs, rhs)
+
+            self.run(self.loss_fn, state, batch, hook)
+            return out
+
+        return f
+
+    def lhs_operand(self, j: int, i: int, key, gemm, lhs, rhs):
+        """Site ``i``'s activation operand under candidate ``j`` (its weight's is unused)."""
+        return self.operands(j, i, key, gemm, lhs, rhs)[0]
+
+    @functools.cached_property
     def path(self):
-        """(state, batch, key, t, j) -> dL/dgate [sites] at the path point where every site
-        outputs ``y + t (Q_j(y) - y)`` (one program for every point and candidate)."""
+        """(state, batch, key, t, j, rqs) -> dL/dgate [sites] at the path point where every
+        site outputs ``y + t (Q_j(y) - y)`` (one program for every point and candidate);
+        ``rqs``: :attr:`weights` of candidate ``j``."""
 
         @jax.jit
-        def credits(state, batch, key, t, j):
+        def credits(state, batch, key, t, j, rqs):
             def loss(gates):
                 def hook(site, gemm, lhs, rhs):
                     i = self.index.get(site)
                     if i is None:
                         return self._float(gemm, lhs, rhs)
                     branches = [
-                        functools.partial(self.operands, jj, i, key, gemm)
+                        functools.partial(self.lhs_operand, jj, i, key, gemm)
                         for jj in range(1, len(self.quant) + 1)
                     ]
                     # values only: the path's gradient is _path_point's own rule
-                    lq, rq = jax.lax.switch(j - 1, branches, *jax.lax.stop_gradient((lhs, rhs)))
+                    lq = jax.lax.switch(j - 1, branches, *jax.lax.stop_gradient((lhs, rhs)))
+                    rq = jax.lax.stop_gradient(rqs[i]).astype(jnp.float32)
                     return _path_point(gemm, lhs, rhs, lq, rq, gates[i])
 
                 return _scalar(self.run(self.loss_fn, state, batch, hook)).astype(jnp.float32)
@@ -668,6 +697,7 @@ def score(
     base = jax.random.key(seed)
     damage = np.zeros((n_s, n_c))
     losses = []
+    rqs: dict[int, list] = {}  # shapley: each candidate's quantized weights (see _Program.weights)
     n = 0
     for b, batch in enumerate(_chain(first, it)):
         key = jax.random.fold_in(base, b)
@@ -687,9 +717,11 @@ def score(
             damage[:, 1:] += np.asarray(prog.gradient(run.state, batch, key), np.float64)
         else:
             for j in range(1, n_c):  # the midpoint rule along candidate j's path
+                if j not in rqs or _needs_key(prog.quant[j - 1]):
+                    rqs[j] = prog.weights(run.state, batch, key, j)
                 for k in range(steps):
                     t = np.float32((k + 0.5) / steps)
-                    g = prog.path(run.state, batch, key, t, np.int32(j))
+                    g = prog.path(run.state, batch, key, t, np.int32(j), rqs[j])
                     damage[:, j] += np.asarray(g, np.float64) / steps
         n += 1
     if method in ("isolated", "kl", "shapley"):
