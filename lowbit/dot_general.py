@@ -326,30 +326,6 @@ def _bwd_static_operands(lhs, rhs, lq, rq, fwd_signs, dims: _Dims, recipe: Recip
     return w_dl, x_dr, s_dl, s_dr
 
 
-def _bwd_forward_operands(lhs, rhs, dy, st: _Static, key):
-    """The backward of ``backward_operands="forward"``: both backward GEMMs take the forward's
-    quantized operands in its Hadamard basis (quantized again per their specs), and their
-    gradients return through the forward's quantizers (trust masks, inverse transform)."""
-    recipe, dn = st.recipe, st.dn
-    f, dl, dr = recipe.fwd, recipe.dlhs, recipe.drhs
-    dims = _Dims.of(dn, len(st.lhs_shape), len(st.rhs_shape))
-    lq, rq, signs, ml, mr = _fwd_operands(lhs, rhs, dims, recipe, key, st.native, masks=True)
-    s_dl, s_dr = gemm_signs(dl, key, _DLHS), gemm_signs(dr, key, _DRHS)
-    w_dl = _prepare(rq, dl.rhs, dl, _last(dims.rhs_free), _last(dims.rhs_contract),
-                    fold_key(key, _DLHS, 1), s_dl, True, native=st.native)
-    x_dr = _prepare(lq, dr.lhs, dr, _last(dims.lhs_free), _last(dims.lhs_contract),
-                    fold_key(key, _DRHS, 0), s_dr, True, native=st.native)
-    dy_dl = _prepare(dy, dl.lhs, dl, _last(dims.out_rhs_free), _last(dims.out_lhs_free),
-                     fold_key(key, _DLHS, 0), s_dl, True, native=st.native)
-    dy_dr = _prepare(dy, dr.rhs, dr, _last(dims.out_lhs_free), _last(dims.out_rhs_free),
-                     fold_key(key, _DRHS, 1), s_dr, True, native=st.native)
-    g_l = _transpose_lhs(dy_dl, w_dl, dn, st.lhs_shape)
-    g_r = _transpose_rhs(dy_dr, x_dr, dn, st.rhs_shape)
-    dlhs = _through_forward(g_l, ml, f, _last(dims.lhs_contract), signs, rotated=True)
-    drhs = _through_forward(g_r, mr, f, _last(dims.rhs_contract), signs, rotated=True)
-    return dlhs.astype(st.lhs_dtype), drhs.astype(st.rhs_dtype), None
-
-
 def _qdot_bwd(st: _Static, res, dy):
     saved, lhs, rhs, key = res
     recipe, dn = st.recipe, st.dn
@@ -357,19 +333,29 @@ def _qdot_bwd(st: _Static, res, dy):
         bwd = _pallas_bwd_through_forward if recipe.through_forward else _pallas_bwd
         dlhs, drhs = bwd(lhs, rhs, dy, st, key)
         return dlhs.astype(st.lhs_dtype), drhs.astype(st.rhs_dtype), None
-    if recipe.backward_operands == "forward":
-        return _bwd_forward_operands(lhs, rhs, dy, st, key)
     dims = _Dims.of(dn, len(st.lhs_shape), len(st.rhs_shape))
+    # backward_operands="forward": the backward GEMMs take the forward's quantized operands in
+    # its Hadamard basis (quantized again per their specs); the gradients they give are of
+    # those values and return through the forward's quantizers (trust masks, inverse transform)
+    rotated = recipe.backward_operands == "forward"
     ml = mr = None
     if saved is None:
-        if recipe.through_forward:  # trust masks: the gradients pass them below
+        if recipe.through_forward:
             lq, rq, signs, ml, mr = _fwd_operands(lhs, rhs, dims, recipe, key, st.native,
                                                   masks=True)
         else:
             lq, rq, signs = _fwd_operands(lhs, rhs, dims, recipe, key, st.native)
-        w_dl, x_dr, s_dl, s_dr = _bwd_static_operands(
-            lhs, rhs, lq, rq, signs, dims, recipe, key, native=st.native
-        )
+        if rotated:
+            dl, dr = recipe.dlhs, recipe.drhs
+            s_dl, s_dr = gemm_signs(dl, key, _DLHS), gemm_signs(dr, key, _DRHS)
+            w_dl = _prepare(rq, dl.rhs, dl, _last(dims.rhs_free), _last(dims.rhs_contract),
+                            fold_key(key, _DLHS, 1), s_dl, True, native=st.native)
+            x_dr = _prepare(lq, dr.lhs, dr, _last(dims.lhs_free), _last(dims.lhs_contract),
+                            fold_key(key, _DRHS, 0), s_dr, True, native=st.native)
+        else:
+            w_dl, x_dr, s_dl, s_dr = _bwd_static_operands(
+                lhs, rhs, lq, rq, signs, dims, recipe, key, native=st.native
+            )
     else:
         w_dl = unpack_operand(saved[0], recipe.dlhs.rhs)
         x_dr = unpack_operand(saved[1], recipe.drhs.lhs)
@@ -381,10 +367,10 @@ def _qdot_bwd(st: _Static, res, dy):
                      fold_key(key, _DRHS, 1), s_dr, True, native=st.native)
     dlhs = _transpose_lhs(dy_dl, w_dl, dn, st.lhs_shape)
     drhs = _transpose_rhs(dy_dr, x_dr, dn, st.rhs_shape)
-    if ml is not None or mr is not None:
+    if recipe.through_forward:
         f = recipe.fwd
-        dlhs = _through_forward(dlhs, ml, f, _last(dims.lhs_contract), signs, rotated=False)
-        drhs = _through_forward(drhs, mr, f, _last(dims.rhs_contract), signs, rotated=False)
+        dlhs = _through_forward(dlhs, ml, f, _last(dims.lhs_contract), signs, rotated=rotated)
+        drhs = _through_forward(drhs, mr, f, _last(dims.rhs_contract), signs, rotated=rotated)
     return dlhs.astype(st.lhs_dtype), drhs.astype(st.rhs_dtype), None
 
 
