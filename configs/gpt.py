@@ -6,10 +6,10 @@
     python -m experiments.compare --config configs/gpt.py:size=xs \
         --recipes none,mxfp8,mxfp6,mxfp4,nvfp4,quartet --seeds 0,1,2
 
-Arguments (after the colon, comma-separated): ``size`` (tiny | xs | s | m | l, about 0.1M /
-0.6M / 3.2M / 11M / 19M parameters), ``recipe`` (any ``lowbit.recipes.names()``), ``mlp``
-(dense | moe), ``seed``. Every other field is a flag override, e.g.
-``--config.model.positions=learned``, ``--config.data.path=my_corpus/``,
+Arguments (after the colon, comma-separated): ``size`` (nano | tiny | xs | s | m | l, about
+0.04M / 0.1M / 0.6M / 3.2M / 11M / 19M parameters), ``recipe`` (any
+``lowbit.recipes.names()``), ``mlp`` (dense | moe), ``seed``. Every other field is a flag
+override, e.g. ``--config.model.positions=learned``, ``--config.data.path=my_corpus/``,
 ``--config.mesh.fsdp=4``, ``--config.quant.high_precision='embed|head'``.
 
 ``quant.implementation`` chooses how the quantized GEMMs run (``lowbit.flax.quantize(...,
@@ -47,6 +47,7 @@ from experiments.configlib import parse_arg
 
 # d_model, layers, heads, seq_len, batch, steps, peak lr
 SIZES = {
+    "nano": (32, 2, 2, 64, 16, 400, 3e-3),
     "tiny": (64, 2, 4, 64, 16, 400, 3e-3),
     "xs": (128, 3, 4, 128, 16, 600, 2e-3),
     "s": (256, 4, 4, 128, 16, 600, 1e-3),

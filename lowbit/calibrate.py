@@ -39,8 +39,9 @@ from jax import lax
 
 from lowbit import formats as _formats
 from lowbit import qarray as _qa
-from lowbit.formats import E2M1, E4M3, BlockFormat, ElementFormat
+from lowbit.formats import E4M3, BlockFormat, ElementFormat
 from lowbit.numerics import exponent, ieee_div, pow2, round_to_grid
+from lowbit.operand import scaled_fake_quantize
 from lowbit.recipes import TENSOR_ELEMENTS
 
 __all__ = [
@@ -258,6 +259,7 @@ class _Target:
 
     block: BlockFormat | None
     tensor_elem: ElementFormat | None
+    tensor_name: str | None = None  # the per-tensor element format's name
 
     @property
     def elem(self) -> ElementFormat:
@@ -276,19 +278,18 @@ def _target(fmt, method: str) -> _Target:
             f"or a per-tensor FP8 element format {TENSOR_ELEMENTS}"
         )
     if isinstance(fmt, str) and fmt.lower() in TENSOR_ELEMENTS:
-        return _Target(None, _formats.tensor_element(fmt))
+        return _Target(None, _formats.tensor_element(fmt), fmt.lower())
     return _Target(_formats.get(fmt), None)
 
 
 def _fake_quantize(x: jax.Array, a: jax.Array, target: _Target, axis: int) -> jax.Array:
     """``x`` quantized in ``target`` with amax ``a``, back in float32."""
-    if target.block is None:
-        # Per-tensor FP8 as lowbit's fp8 recipe computes it (lowbit.operand), with the amax
-        # given: s = elem_max / a, elements round(clip(x * s)), values elements * (1 / s).
-        elem = target.tensor_elem
-        s = jnp.where(a > 0, np.float32(elem.max) / a, np.float32(1.0))
-        v = jnp.clip(x * s, -elem.max, elem.max)
-        return round_to_grid(v, elem) * (np.float32(1.0) / s)
+    if target.block is None:  # per-tensor FP8 / int8 as lowbit's recipes compute it
+        return scaled_fake_quantize(x, target.tensor_name, a)
+    if target.block.is_absmean:
+        raise ValueError(
+            f"{target.block.name} has no amax to calibrate: its scale is the tensor's mean |x|"
+        )
     if target.block.tensor_scale:  # NVFP4: the amax is the tensor amax; blocks above it clip
         return _qa.fake_quantize(x, target.block, axis, tensor_amax=a)
     return _qa.fake_quantize(jnp.clip(x, -a, a), target.block, axis)  # MX: clip, then blocks
@@ -562,6 +563,11 @@ def block_scales(
             "use amax(..., format=...) for its tensor scale"
         )
     fmt = _formats.get(format)
+    if fmt.is_absmean:
+        raise ValueError(
+            f"block_scales needs a format with block scales; {fmt.name} has one scale per "
+            "tensor (its mean |x|)"
+        )
     _as_data(w, "block_scales")
     w = jnp.asarray(w)
     plan = _qa.make_plan(w.shape, fmt, axis, block_shape, None, "nearest", None, None)
@@ -598,7 +604,7 @@ def _replace_blocks(standard: _qa.QArray, codes, scales, changed, plan) -> _qa.Q
     elem_mask = _storage(elem_mask, plan)
     # codes pack along the last storage axis, whole groups inside one block: 2 FP4 codes a
     # byte, 4 FP6 codes in 3 bytes, 1 FP8 / INT8 code a byte
-    n, nbytes = {4: (2, 1), 6: (4, 3)}.get(plan.fmt.elem.bits, (1, 1))
+    n, nbytes = plan.fmt.elem.pack_group
     byte_mask = jnp.repeat(elem_mask[..., 0::n], nbytes, axis=-1)
     return dataclasses.replace(
         standard,
@@ -638,7 +644,7 @@ def _nvfp4_search(xb, y0, finite, plan, standard):
     elem = plan.fmt.elem
     a = jnp.abs(xb)
     amax_b = jnp.max(a, axis=plan.block_axes, keepdims=True)
-    t = _qa.nvfp4_tensor_scale(jnp.max(jnp.where(jnp.isfinite(a), a, 0.0)))
+    t = _qa.nvfp4_tensor_scale(jnp.max(jnp.where(jnp.isfinite(a), a, 0.0)), elem.max)
     s_raw = jnp.minimum(ieee_div(ieee_div(amax_b, np.float32(elem.max)), t),
                         np.float32(E4M3.max))
     s0 = round_to_grid(jnp.where(t > 0, s_raw, 0.0), E4M3)
@@ -664,8 +670,8 @@ def _nvfp4_search(xb, y0, finite, plan, standard):
     offsets = jnp.asarray(NVFP4_SCALE_OFFSETS, jnp.int32)
     (best_err, best_c, best_q), _ = lax.scan(try_offset, init, offsets)
     changed = best_err < err0
-    # E2M1 codes two a byte, low nibble first (lowbit.qarray's layout)
-    codes = _storage(_qa.encode_elements(best_q, E2M1).reshape(plan.padded_shape), plan)
+    # E2M1 (INT4) codes two a byte, low nibble first (lowbit.qarray's layout)
+    codes = _storage(_qa.encode_elements(best_q, elem).reshape(plan.padded_shape), plan)
     codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
     scales = _storage(jnp.squeeze(best_c, axis=plan.block_axes).astype(jnp.uint8), plan)
     return _replace_blocks(standard, codes, scales, changed, plan)

@@ -92,6 +92,7 @@ __all__ = [
     "library_path",
     "main",
     "mode",
+    "kernel_format",
     "supports",
     "why_unavailable",
 ]
@@ -304,6 +305,13 @@ def active() -> bool:
 # The call
 
 
+def kernel_format(fmt) -> bool:
+    """Whether the kernel computes this block format: the MX formats and NVFP4. INT4 and
+    ternary run in the XLA path (the kernel's NVFP4 factors divide by E2M1's 6, and it has no
+    absmean scale)."""
+    return fmt.is_mx or (fmt.is_nv and fmt.elem.name == "e2m1")
+
+
 def supports(plan, hadamard: int | None = None) -> bool:
     """Whether the kernel handles this quantization plan (``qarray.Plan``), with a fused
     Hadamard transform of block ``hadamard`` along the plan's axis when that is not None.
@@ -318,6 +326,8 @@ def supports(plan, hadamard: int | None = None) -> bool:
     (True, True, False)
     """
     if len(plan.axes) not in (1, 2) or len(plan.block_shape) != len(plan.axes):
+        return False
+    if not kernel_format(plan.fmt):
         return False
     if hadamard is not None:
         if len(plan.axes) != 1 or hadamard not in _hadamard.BLOCK_SIZES:

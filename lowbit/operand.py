@@ -38,9 +38,10 @@ __all__ = [
     "clip_to_rms",
     "apply_static_amax",
     "std_scaled_quantize",
+    "scaled_fake_quantize",
 ]
 
-_TENSOR_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+_TENSOR_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2, "int8": jnp.int8}
 
 
 def fold_key(key, *tags):
@@ -87,19 +88,50 @@ def hadamard_along(x, axis: int, block: int, signs, *, inverse: bool = False):
     return _hadamard.hadamard_transform(x, block, signs=signs, axis=axis, inverse=inverse)
 
 
-def _tensor_quantize(x, spec: QuantSpec, key):
-    """Per-tensor scaled FP8 (current scaling, as in Transformer Engine): ``s = elem_max /
-    amax``, elements ``round(clip(x * s))``, values ``elements * (1 / s)``. Returns the
-    elements and the dequantization factor ``1 / s`` (float32 scalar)."""
+def _scaled_quantize(x, spec: QuantSpec, key, axis: int):
+    """Float32-scaled elements (``granularity="tensor"``: one scale; ``"row"``: one per slice
+    along ``axis``). FP8: current scaling as in Transformer Engine, ``s = elem_max / amax``
+    (1 for an all-zero tensor). ``"int8"``: BitNet b1.58's ``activation_quant``,
+    ``s = 127 / max(amax, 1e-5)``. Elements ``round(clip(x * s))``. Returns the elements and
+    ``s`` (float32, keepdims along ``axis`` for rows); :func:`_scaled_values` dequantizes."""
     elem = _formats.tensor_element(spec.format)
-    amax = jnp.max(jnp.abs(x)) if spec.amax is None else jnp.float32(spec.amax)
-    s = jnp.where(amax > 0, np.float32(elem.max) / amax, np.float32(1.0))
+    if spec.granularity == "row":
+        amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    else:
+        amax = jnp.max(jnp.abs(x)) if spec.amax is None else jnp.float32(spec.amax)
+    s = _scale_of(amax, elem)
     v = x * s
     if spec.prescale != 1.0:
         v = v * np.float32(spec.prescale)
     v = jnp.clip(v, -elem.max, elem.max)
     rbits = uniform_bits(key, x.shape) if spec.stochastic else None
-    return round_to_grid(v, elem, rbits=rbits), np.float32(1.0) / s
+    return round_to_grid(v, elem, rbits=rbits), s
+
+
+def _scale_of(amax, elem):
+    if elem.is_int:
+        return ieee_div(np.float32(elem.max), jnp.maximum(amax, np.float32(_qa.ABSMEAN_FLOOR)))
+    return jnp.where(amax > 0, np.float32(elem.max) / amax, np.float32(1.0))
+
+
+def scaled_fake_quantize(x, fmt: str, amax) -> jax.Array:
+    """``x`` (float32) quantized with one float32 scale from the given ``amax`` (a scalar, or
+    an array that broadcasts against ``x``), as ``granularity="tensor"`` specs of element
+    format ``fmt`` (``"e4m3"``, ``"e5m2"``, ``"int8"``) compute it; calibration
+    (:mod:`lowbit.calibrate`) evaluates candidate amaxes with it."""
+    spec = QuantSpec(fmt, granularity="tensor")
+    elem = _formats.tensor_element(fmt)
+    s = _scale_of(amax, elem)
+    v = round_to_grid(jnp.clip(x * s, -elem.max, elem.max), elem)
+    return _scaled_values(v, s, spec)
+
+
+def _scaled_values(v, s, spec: QuantSpec):
+    """float32 values of :func:`_scaled_quantize`'s elements ``v`` and scale ``s``: ``v / s``
+    for int8 (BitNet's division), ``v * (1 / s)`` for FP8."""
+    if _formats.tensor_element(spec.format).is_int:
+        return ieee_div(v.astype(jnp.float32), s)
+    return v.astype(jnp.float32) * (np.float32(1.0) / s)
 
 
 def apply_static_amax(x, spec: QuantSpec):
@@ -207,11 +239,11 @@ def quantize_operand(
     x = clip_to_rms(x, spec, axis)
     x, tensor_amax = apply_static_amax(x, spec)
     rounding_key = key if spec.stochastic else None
-    if spec.granularity == "tensor":
-        v, scale = _tensor_quantize(x, spec, rounding_key)
+    if spec.granularity != "block":
+        v, scale = _scaled_quantize(x, spec, rounding_key, axis)
         if packed:
             return v.astype(_TENSOR_DTYPES[spec.format]), scale
-        return _qa.ungain(v * scale, spec.prescale)
+        return _qa.ungain(_scaled_values(v, scale, spec), spec.prescale)
     if two_d:
         if other_axis is None:
             raise ValueError(
@@ -235,9 +267,8 @@ def unpack_operand(packed, spec: QuantSpec | None) -> jax.Array:
     """float32 values of :func:`quantize_operand`'s packed form (bit-identical)."""
     if spec is None:
         return packed
-    if spec.granularity == "tensor":
-        v, scale = packed
-        y = v.astype(jnp.float32) * scale
+    if spec.granularity != "block":
+        y = _scaled_values(*packed, spec)
     else:
         y = _qa.dequantize(packed, jnp.float32)
     return _qa.ungain(y, spec.prescale)

@@ -60,7 +60,9 @@ __all__ = [
     "ungain",
     "mx_scale_exponent",
     "nvfp4_tensor_scale",
+    "absmean_scales",
     "NVFP4_TENSOR_DIVISOR",
+    "ABSMEAN_FLOOR",
 ]
 
 SCALE_MODES = ("floor", "ceil", "even", "rceil")
@@ -141,11 +143,11 @@ class QArray:
 
 def encode_elements(v: jax.Array, elem: ElementFormat) -> jax.Array:
     """uint8 codes of float32 values that lie exactly on ``elem``'s grid (sign-magnitude;
-    two's complement for INT8)."""
+    ``elem.bits``-bit two's complement for integer grids: MX INT8, INT4, ternary)."""
     v = v.astype(jnp.float32)
-    if elem.is_int:
-        k = jnp.round(ldexp_exact(v, 6)).astype(jnp.int32).astype(jnp.int8)
-        return lax.bitcast_convert_type(k, jnp.uint8)
+    if elem.is_int:  # ``elem.bits``-bit two's complement of value * 2**int_shift
+        k = jnp.round(ldexp_exact(v, elem.int_shift)).astype(jnp.int32)
+        return (k & ((1 << elem.bits) - 1)).astype(jnp.uint8)
     bits = lax.bitcast_convert_type(v, jnp.uint32)
     sign = (bits >> 31).astype(jnp.uint8)
     a = jnp.abs(v)
@@ -163,8 +165,9 @@ def decode_elements(codes: jax.Array, elem: ElementFormat) -> jax.Array:
     Inf/NaN codes and E4M3's NaN code decode to Inf/NaN."""
     codes = codes.astype(jnp.uint8)
     if elem.is_int:
-        k = lax.bitcast_convert_type(codes, jnp.int8).astype(jnp.float32)
-        return ldexp_exact(k, -6)
+        c = codes.astype(jnp.int32) & ((1 << elem.bits) - 1)
+        k = c - (((c >> (elem.bits - 1)) & 1) << elem.bits)  # sign extension
+        return ldexp_exact(k.astype(jnp.float32), -elem.int_shift)
     c = codes.astype(jnp.int32)
     nbits = elem.ebits + elem.mbits
     sign = (c >> nbits) & 1
@@ -183,16 +186,15 @@ def decode_elements(codes: jax.Array, elem: ElementFormat) -> jax.Array:
     return jnp.where(sign == 1, -mag, mag)
 
 
-def _pack_ratio(elem: ElementFormat) -> tuple[int, int]:
-    """(codes, bytes) per packing group."""
-    return {4: (2, 1), 6: (4, 3)}.get(elem.bits, (1, 1))
-
-
 def _pack(codes: jax.Array, elem: ElementFormat) -> jax.Array:
-    n, _ = _pack_ratio(elem)
+    n, _ = elem.pack_group
     if n == 1:
         return codes
     g = codes.reshape(*codes.shape[:-1], codes.shape[-1] // n, n)
+    if elem.name == "ternary":  # base 3, first code least significant: trit = code + 1
+        t = (g.astype(jnp.int32) + 1) & 3
+        return (t[..., 0] + 3 * t[..., 1] + 9 * t[..., 2] + 27 * t[..., 3]
+                + 81 * t[..., 4]).astype(jnp.uint8)
     if elem.bits == 4:
         return g[..., 0] | (g[..., 1] << 4)
     w = g.astype(jnp.uint32)
@@ -202,9 +204,14 @@ def _pack(codes: jax.Array, elem: ElementFormat) -> jax.Array:
 
 
 def _unpack(packed: jax.Array, elem: ElementFormat) -> jax.Array:
-    n, nb = _pack_ratio(elem)
+    n, nb = elem.pack_group
     if n == 1:
         return packed
+    if elem.name == "ternary":
+        b = packed.astype(jnp.int32)
+        trits = [(b // d) % 3 for d in (1, 3, 9, 27, 81)]
+        out = (jnp.stack(trits, axis=-1) - 1) & 3  # back to 2-bit two's complement
+        return out.astype(jnp.uint8).reshape(*packed.shape[:-1], packed.shape[-1] * 5)
     if elem.bits == 4:
         lo, hi = packed & 0xF, packed >> 4
         out = jnp.stack([lo, hi], axis=-1)
@@ -323,11 +330,11 @@ def make_plan(
         raise ValueError(
             f"block_shape={block_shape} is a {len(block_shape)}-D tile but x has rank {ndim}"
         )
-    n_pack, _ = _pack_ratio(fmt.elem)
+    n_pack, _ = fmt.elem.pack_group
     if block_shape[-1] % n_pack:
         raise ValueError(
             f"block_shape={block_shape}: the last block extent must be a multiple of {n_pack} "
-            f"to pack {fmt.elem.bits}-bit codes into bytes"
+            f"to pack {fmt.name} codes into bytes ({n_pack} codes per packing group)"
         )
     axes = _normalize_axes(axis, ndim, len(block_shape))
     if rounding not in ROUNDINGS:
@@ -335,7 +342,19 @@ def make_plan(
     stochastic = rounding == "stochastic"
     if stochastic and key is None:
         raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
-    if fmt.tensor_scale:
+    if fmt.is_absmean:
+        if scale_mode not in (None, "absmean"):
+            raise ValueError(
+                f"scale_mode={scale_mode!r} does not apply to {fmt.name}: its one scale is the "
+                "tensor's mean |x|"
+            )
+        if tensor_amax is not None:
+            raise ValueError(
+                f"tensor_amax applies to amax-scaled tensor scales (NVFP4, INT4), not to "
+                f"{fmt.name}, whose scale is the tensor's mean |x|"
+            )
+        scale_mode = "absmean"
+    elif fmt.tensor_scale:
         if scale_mode not in (None, "nvfp4"):
             raise ValueError(
                 f"scale_mode={scale_mode!r} does not apply to {fmt.name}: its block scales are "
@@ -352,7 +371,10 @@ def make_plan(
                     )
     else:
         if tensor_amax is not None:
-            raise ValueError(f"tensor_amax applies only to NVFP4, not to {fmt.name}")
+            raise ValueError(
+                f"tensor_amax applies only to formats with an amax tensor scale (NVFP4, INT4), "
+                f"not to {fmt.name}"
+            )
         scale_mode = "floor" if scale_mode is None else scale_mode
         if scale_mode not in SCALE_MODES:
             raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
@@ -488,7 +510,10 @@ def _quantize_blocks(xb, plan: Plan, key, tensor_amax, want_clip: bool) -> _Quan
 
         return _Quantized(q, code, mul, finite, clipped)
 
-    # NVFP4: a float32 tensor scale and unsigned-E4M3 block scales.
+    if fmt.is_absmean:
+        return _quantize_absmean(xb, plan, amax_bits, rbits, want_clip)
+
+    # NVFP4 (and INT4): a float32 tensor scale and unsigned-E4M3 block scales.
     if tensor_amax is None:
         # The tensor amax ignores NaN and Inf values (not the finite values beside them):
         # the block maxima give it unless some block is non-finite, when a second reduction
@@ -501,7 +526,7 @@ def _quantize_blocks(xb, plan: Plan, key, tensor_amax, want_clip: bool) -> _Quan
         tamax = lax.bitcast_convert_type(tamax_bits, jnp.float32)
     else:
         tamax = jnp.asarray(tensor_amax, jnp.float32)
-    t = nvfp4_tensor_scale(tamax)
+    t = nvfp4_tensor_scale(tamax, elem.max)
     s_raw = jnp.minimum(ieee_div(ieee_div(amax, np.float32(elem.max)), t),
                         np.float32(E4M3.max))
     s = round_to_grid(jnp.where(t > 0, s_raw, 0.0), E4M3)
@@ -525,10 +550,48 @@ def _quantize_blocks(xb, plan: Plan, key, tensor_amax, want_clip: bool) -> _Quan
     return _Quantized(q, code, mul, finite, clipped, tensor_scale=t)
 
 
-def nvfp4_tensor_scale(tensor_amax: jax.Array) -> jax.Array:
-    """NVFP4's float32 tensor scale ``t = amax / (448 * 6)``, correctly rounded (an IEEE
-    division XLA cannot rewrite into a multiplication by a rounded reciprocal)."""
-    return ieee_div(jnp.asarray(tensor_amax, jnp.float32), np.float32(NVFP4_TENSOR_DIVISOR))
+def nvfp4_tensor_scale(tensor_amax: jax.Array, elem_max: float = 6.0) -> jax.Array:
+    """NVFP4's float32 tensor scale ``t = amax / (448 * elem_max)`` (``elem_max`` 6 for NVFP4,
+    7 for INT4), correctly rounded (an IEEE division XLA cannot rewrite into a multiplication
+    by a rounded reciprocal)."""
+    return ieee_div(jnp.asarray(tensor_amax, jnp.float32), np.float32(E4M3.max * elem_max))
+
+
+ABSMEAN_FLOOR = 1e-5  # BitNet's clamp of the mean |w| (and of the per-token amax)
+
+
+def absmean_scales(x: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """BitNet b1.58's tensor scale of ``x`` (any layout, zero padding allowed) whose true size
+    is ``n``: ``gamma = max(sum |x| / n, 1e-5)`` in float32; returns ``(r, t)`` with the
+    element multiplier ``r = 1 / gamma`` and the stored scale ``t = 1 / r``, so that
+    ``code * t`` is BitNet's ``code / r`` exactly (``code`` in -1, 0, 1). A tensor holding NaN
+    or Inf gets ``t = NaN`` (there is no block scale to hold it: every value dequantizes to
+    NaN)."""
+    a = jnp.abs(x.astype(jnp.float32))
+    gamma = jnp.maximum(ieee_div(jnp.sum(a), np.float32(n)), np.float32(ABSMEAN_FLOOR))
+    r = ieee_div(np.float32(1.0), gamma)
+    t = ieee_div(np.float32(1.0), r)
+    return r, jnp.where(jnp.all(jnp.isfinite(a)), t, np.float32(np.nan))
+
+
+def _quantize_absmean(xb, plan: Plan, amax_bits, rbits, want_clip: bool) -> _Quantized:
+    """Ternary (``fmt.is_absmean``): ``clip(round(x * r), -1, 1)``, values ``code * t``
+    (:func:`absmean_scales`); BitNet b1.58's ``weight_quant``."""
+    elem = plan.fmt.elem
+    r, t = absmean_scales(xb, math.prod(plan.shape))
+    (r,) = materialize(r)
+    v = xb * r
+    if plan.gain != 1.0:
+        v = v * np.float32(plan.gain)
+    clipped = jnp.abs(v) > elem.max if want_clip else None
+    q = round_to_grid(v, elem, rbits=rbits, saturate=True)
+    finite = jnp.isfinite(t) & jnp.ones(amax_bits.shape, bool)
+
+    def mul(elems, t=t):
+        return ungain(elems * t, plan.gain)
+
+    return _Quantized(q, jnp.zeros(amax_bits.shape, jnp.uint8), mul, finite, clipped,
+                      tensor_scale=t)
 
 
 def ungain(y: jax.Array, gain: float) -> jax.Array:
@@ -586,9 +649,13 @@ def quantize_with_plan(x, plan: Plan, key, tensor_amax) -> QArray:
     elem = plan.fmt.elem
     elems = jnp.where(qz.finite, qz.elems, 0.0)  # a NaN/Inf block: NaN scale, zero codes
     codes = _to_storage(encode_elements(elems, elem).reshape(plan.padded_shape), plan)
+    if plan.fmt.is_absmean:  # no block scales
+        scales = jnp.zeros((0,), jnp.uint8)
+    else:
+        scales = _to_storage(_squeeze_blocks(qz.scale_code, plan), plan)
     return QArray(
         codes=_pack(codes, elem),
-        scales=_to_storage(_squeeze_blocks(qz.scale_code, plan), plan),
+        scales=scales,
         tensor_scale=qz.tensor_scale,
         format_name=plan.fmt.name,
         shape=tuple(x.shape),
@@ -612,6 +679,9 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
     plan = make_plan(q.shape, fmt, q.axes, q.block_shape, None, "nearest", None, None)
     codes = _from_storage(_unpack(q.codes, elem), plan).reshape(plan.blocked_shape)
     elems = decode_elements(codes, elem)
+    if fmt.is_absmean:
+        return _from_blocks(elems * q.tensor_scale, plan).astype(q.dtype if dtype is None
+                                                                 else dtype)
     scales = jnp.expand_dims(_from_storage(q.scales, plan), plan.block_axes)
     if fmt.is_mx:
         e = scales.astype(jnp.int32) - 127

@@ -40,12 +40,14 @@ __all__ = [
     "names",
     "register",
     "TENSOR_ELEMENTS",
+    "GRANULARITIES",
     "GEMMS",
     "BACKWARD_OPERANDS",
 ]
 
-# Element formats usable with granularity="tensor" (one float32 scale per tensor).
-TENSOR_ELEMENTS = ("e4m3", "e5m2")
+# Element formats usable with granularity="tensor" or "row" (float32 scales).
+TENSOR_ELEMENTS = ("e4m3", "e5m2", "int8")
+GRANULARITIES = ("block", "tensor", "row")
 GEMMS = ("fwd", "dlhs", "drhs")  # the three GEMMs of a recipe, in fold_in tag order
 BACKWARD_OPERANDS = ("high", "forward")
 
@@ -56,13 +58,19 @@ class QuantSpec:
 
     Attributes:
       format: a block format name (``lb.formats.names()``), or with ``granularity="tensor"``
-        an element format (``"e4m3"``, ``"e5m2"``) with one float32 scale per tensor.
+        or ``"row"`` an element format (``"e4m3"``, ``"e5m2"``, ``"int8"``) with float32
+        scales.
       rounding: ``"nearest"`` or ``"stochastic"`` (keys come from the dot_general's ``key``).
       scale_mode: MX scale rule (None: the format's default, ``"floor"``).
       block_shape: None (1-D blocks along the contraction axis) or a 2-D tile
         ``(along contraction, along the operand's last free axis)``, e.g. ``(16, 16)``, so one
         quantized weight serves both the forward and the input-gradient GEMM.
-      granularity: ``"block"`` or ``"tensor"``.
+      granularity: ``"block"``; ``"tensor"`` (one float32 scale per tensor); ``"row"`` (one
+        float32 scale per slice along the contraction axis: per token for an activation, per
+        output channel for a weight). FP8 elements take Transformer Engine's current scaling
+        (``s = elem_max / amax``, values ``elements * (1 / s)``); ``"int8"`` takes BitNet
+        b1.58's ``activation_quant`` (``s = 127 / max(amax, 1e-5)``, elements
+        ``round(x * s)`` in -127..127, values ``elements / s``).
       prescale: a gain on the elements: the scale is chosen from the operand as usual, the
         scaled elements are multiplied by ``prescale`` before rounding, and the dequantized
         values divided by it (3/4 keeps stochastic rounding of FP4 from clipping: the largest
@@ -98,15 +106,23 @@ class QuantSpec:
     trust_mask: bool = False
 
     def __post_init__(self):
-        if self.granularity == "tensor":
+        if self.granularity in ("tensor", "row"):
             if self.format not in TENSOR_ELEMENTS:
                 raise ValueError(
-                    f"granularity='tensor' needs format in {TENSOR_ELEMENTS}, got {self.format!r}"
+                    f"granularity={self.granularity!r} needs format in {TENSOR_ELEMENTS}, got "
+                    f"{self.format!r}"
+                )
+            if self.block_shape is not None:
+                raise ValueError(
+                    f"granularity={self.granularity!r} has no blocks: block_shape must be None, "
+                    f"got {self.block_shape}"
                 )
         elif self.granularity == "block":
             object.__setattr__(self, "format", _formats.get(self.format).name)
         else:
-            raise ValueError(f"granularity must be 'block' or 'tensor', got {self.granularity!r}")
+            raise ValueError(
+                f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}"
+            )
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
         if self.scale_mode is not None and self.scale_mode not in SCALE_MODES:
@@ -120,6 +136,15 @@ class QuantSpec:
             if not (a > 0 and a < float("inf")):
                 raise ValueError(f"amax must be a finite positive number or None, got {self.amax}")
             object.__setattr__(self, "amax", a)
+            if self.granularity == "row":
+                raise ValueError(
+                    "amax (a static per-tensor amax) does not apply to granularity='row', "
+                    "whose scales are each row's own"
+                )
+            if self.granularity == "block" and _formats.get(self.format).is_absmean:
+                raise ValueError(
+                    f"amax does not apply to {self.format}: its scale is the tensor's mean |x|"
+                )
         if self.scale_std is not None:
             self._check_scale_std()
         if self.trust_mask and self.scale_std is None:
@@ -136,7 +161,7 @@ class QuantSpec:
         fmt = None if self.granularity != "block" else _formats.get(self.format)
         clash = [
             n for n, bad in (
-                ("granularity='tensor'", fmt is None),
+                (f"granularity={self.granularity!r}", fmt is None),
                 (f"{self.format} (its scales are not powers of two)",
                  fmt is not None and fmt.tensor_scale),
                 (f"block_shape={self.block_shape}", self.block_shape is not None),
@@ -157,14 +182,16 @@ class QuantSpec:
 
     @property
     def bits_per_element(self) -> float:
-        if self.granularity == "tensor":
+        """Stored bits per element: packed codes plus the block scales' share (per-tensor
+        and per-row float32 scales are not counted)."""
+        if self.granularity != "block":
             return 8.0
         fmt = _formats.get(self.format)
         if self.block_shape is not None:
             n = 1
             for b in self.block_shape:
                 n *= b
-            return fmt.elem.bits + fmt.scale.bits / n
+            return fmt.elem.packed_bits + fmt.scale.bits / n
         return fmt.bits_per_element
 
 
@@ -451,8 +478,55 @@ for _name in _formats.names() + list(_formats.ALIASES):
             fwd=GemmSpec(_spec, _spec),
             description=f"QAT: {_spec.format} fake-quantized weights and activations in the "
             "forward, straight-through gradients in high precision.",
-            source="straight-through estimator (Bengio et al. 2013); formats per OCP MX v1.0 "
-            "and NVIDIA NVFP4",
+            source="straight-through estimator (Bengio et al. 2013); formats per OCP MX v1.0, "
+            "NVIDIA NVFP4, INT4 with NVFP4's scaling, BitNet b1.58's ternary",
+        )
+    )
+
+# BitNet b1.58 as its published code quantizes (Ma et al. 2024, "The Era of 1-bit LLMs:
+# Training Tips, Code and FAQ", the BitLinear `weight_quant` / `activation_quant`):
+# - weights: scale = 1 / mean|w| (the mean clamped at 1e-5), codes round(w * scale) clipped to
+#   -1..1, values codes / scale: lowbit's "ternary" format (per tensor);
+# - activations: per token, scale = 127 / max|x| (clamped at 1e-5), codes round(x * scale)
+#   clipped to -128..127, values codes / scale: QuantSpec("int8", granularity="row");
+# - backward: straight-through (`x + (quant(x) - x).detach()`), the GEMMs of the backward on
+#   the quantized operands in high precision: None backward specs.
+# BitLinear also RMS-normalises its input before quantizing it; that is a layer of the model,
+# not of the quantizer, and is not added here.
+A8 = QuantSpec("int8", granularity="row")
+register(
+    Recipe(
+        "bitnet",
+        fwd=GemmSpec(A8, QuantSpec("ternary")),
+        description="BitNet b1.58: ternary weights (-1, 0, 1 times the tensor's mean |w|), "
+        "8-bit per-token absmax activations, straight-through gradients.",
+        source="Ma et al. 2024, 'The Era of 1-bit LLMs: All Large Language Models are in 1.58 "
+        "Bits' (arXiv:2402.17764), and its 'Training Tips, Code and FAQ' (weight_quant, "
+        "activation_quant)",
+    )
+)
+
+# Weight formats with BitNet's 8-bit per-token activations: the weight-memory Pareto study
+# (experiments/pareto.py) compares them with `bitnet` at equal activations.
+register(
+    Recipe(
+        "w16a8",
+        fwd=GemmSpec(A8, None),
+        description="High-precision weights, 8-bit per-token absmax activations (BitNet's), "
+        "straight-through gradients.",
+        source="the activation quantizer of BitNet b1.58 (arXiv:2402.17764)",
+    )
+)
+for _bits, _name in ((8, "mxfp8"), (6, "mxfp6"), (4, "mxfp4"), (4, "nvfp4"), (4, "int4")):
+    _w = QuantSpec(_name)
+    register(
+        Recipe(
+            f"w{_bits}a8_{_name}",
+            fwd=GemmSpec(A8, _w),
+            description=f"QAT: {_w.format} weights (1-D blocks along the contraction axis), "
+            "8-bit per-token absmax activations (BitNet's), straight-through gradients.",
+            source="W4A8-style QAT; activations as BitNet b1.58 (arXiv:2402.17764); weights "
+            "per OCP MX v1.0, NVIDIA NVFP4, or INT4 with NVFP4's scaling",
         )
     )
 

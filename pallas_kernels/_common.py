@@ -28,6 +28,7 @@ __all__ = [
     "export_for_cuda",
     "on_gpu",
     "select_implementation",
+    "format_unsupported",
     "is_pow2",
     "next_pow2",
     "pow2_divisor",
@@ -41,6 +42,14 @@ IMPLEMENTATIONS = (None, "xla", "pallas")
 # later; "triton_kernel_call" on older releases. Disabling a check for a target that does not
 # occur is harmless, so both are listed.
 TRITON_CUSTOM_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call")
+
+
+def format_unsupported(fmt) -> str | None:
+    """Why the kernels cannot decode block format ``fmt`` (None if they can): they take the
+    MX formats and NVFP4; INT4 and ternary run in the XLA emulation."""
+    if fmt.is_mx or (fmt.is_nv and fmt.elem.name == "e2m1"):
+        return None
+    return f"{fmt.name} (the kernels decode the MX formats and NVFP4; {fmt.name} runs in XLA)"
 
 
 def on_gpu() -> bool:

@@ -43,7 +43,7 @@ from lowbit import formats
 from lowbit.hadamard import hadamard_transform, random_signs
 from lowbit.qarray import QArray
 from lowbit.qarray import quantize as lowbit_quantize
-from pallas_kernels._common import export_for_cuda, on_gpu, time_fn
+from pallas_kernels._common import export_for_cuda, format_unsupported, on_gpu, time_fn
 from pallas_kernels.block_scaled_matmul import Config as MatmulConfig
 from pallas_kernels.block_scaled_matmul import block_scaled_matmul
 from pallas_kernels.block_scaled_matmul import get_default as matmul_default
@@ -60,7 +60,8 @@ from pallas_kernels.quantize.reference import quantize_reference
 
 PREFILL = (8192, 8192, 8192)  # M, K, N
 DECODE = (16, 8192, 8192)
-FORMATS = formats.names()
+# the formats the kernels decode (INT4 and ternary run in the XLA emulation)
+FORMATS = [f for f in formats.names() if format_unsupported(formats.get(f)) is None]
 # (format, rounding, Hadamard block, gain) of the fused quantize cases (see the docstring)
 HADAMARD_CASES = [
     ("mxfp4", "stochastic", 32, 0.75),

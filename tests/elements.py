@@ -11,6 +11,8 @@ LB_ELEMS = {
     "e2m3": lb.formats.E2M3,
     "e2m1": lb.formats.E2M1,
     "int8": lb.formats.INT8,
+    "int4": lb.formats.INT4,
+    "ternary": lb.formats.TERNARY,
 }
 ML_DTYPES = {
     "e4m3": ml_dtypes.float8_e4m3fn,

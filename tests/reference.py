@@ -35,6 +35,9 @@ __all__ = [
     "mx_exponent",
     "mx_quantize",
     "nvfp4_quantize",
+    "bitnet_weight_quant",
+    "bitnet_activation_quant",
+    "pack_trits",
     "unpack_codes",
     "to_blocks",
     "Quantized",
@@ -48,8 +51,10 @@ class Elem:
     """An element format as DESIGN.md's table describes it.
 
     ``specials``: ``"none"``, ``"nan"`` (only S.1111.111 is NaN, E4M3) or ``"ieee"`` (the
-    all-ones exponent holds Inf and NaN, E5M2). ``is_int``: MX INT8, two's-complement codes
-    -127..127 times 2**-6 (``mbits`` = 6 fraction bits, used by the "even" scale mode).
+    all-ones exponent holds Inf and NaN, E5M2). ``is_int``: ``width``-bit two's-complement
+    codes times ``2**-mbits``, the most negative code unused (symmetric): MX INT8 (width 8,
+    ``mbits`` = 6 fraction bits, used by the "even" scale mode), INT4 (-7..7), ternary
+    (-1, 0, 1 in two bits).
     """
 
     name: str
@@ -59,10 +64,11 @@ class Elem:
     emax: int
     specials: str = "none"
     is_int: bool = False
+    width: int = 8
 
     @property
     def bits(self) -> int:
-        return 8 if self.is_int else 1 + self.ebits + self.mbits
+        return self.width if self.is_int else 1 + self.ebits + self.mbits
 
     @property
     def max(self) -> float:
@@ -76,6 +82,8 @@ ELEMS = {
     "e2m3": Elem("e2m3", 2, 3, 1, emax=2),
     "e2m1": Elem("e2m1", 2, 1, 1, emax=2),
     "int8": Elem("int8", 0, 6, 0, emax=0, is_int=True),
+    "int4": Elem("int4", 0, 0, 0, emax=2, is_int=True, width=4),
+    "ternary": Elem("ternary", 0, 0, 0, emax=0, is_int=True, width=2),
 }
 
 # MX format name -> element format name (DESIGN.md "Format names"; MX blocks hold 32).
@@ -100,9 +108,10 @@ def code_values(elem: Elem) -> np.ndarray:
     the unused code -128 is NaN here)."""
     codes = np.arange(2**elem.bits)
     if elem.is_int:
-        k = np.where(codes >= 128, codes - 256, codes).astype(np.float64)
-        vals = k * 2.0**-6
-        vals[codes == 0x80] = np.nan
+        half = 2 ** (elem.bits - 1)
+        k = np.where(codes >= half, codes - 2 * half, codes).astype(np.float64)
+        vals = k * 2.0**-elem.mbits
+        vals[codes == half] = np.nan
         vals.setflags(write=False)
         return vals
     sign = codes >> (elem.ebits + elem.mbits)
@@ -156,7 +165,7 @@ def round_to_grid(v, elem: Elem) -> tuple[np.ndarray, np.ndarray]:
     if elem.is_int:
         neg = neg & (mag > 0)
         vals = np.where(neg, -mag, mag)
-        codes = np.where(neg, (256 - mcode) % 256, mcode)
+        codes = np.where(neg, (2**elem.bits - mcode) % 2**elem.bits, mcode)
     else:
         vals = np.copysign(mag, v)
         codes = mcode | (neg.astype(np.int64) << (elem.ebits + elem.mbits))
@@ -330,14 +339,17 @@ def mx_quantize(x, fmt: str, axis=-1, scale_mode: str = "floor", block_shape=Non
     )
 
 
-def nvfp4_quantize(x, axis=-1, tensor_amax=None, block_shape=None) -> Quantized:
+def nvfp4_quantize(x, axis=-1, tensor_amax=None, block_shape=None, elem: str = "e2m1"
+                   ) -> Quantized:
     """NVFP4 in float32 arithmetic, each step rounded as DESIGN.md writes it:
     t = amax_tensor / 2688; s = RNE_e4m3(min(amax_b / 6 / t, 448));
     elements = RNE_e2m1(clamp(x * ((1 / t) / s), +-6)) (the reciprocal form DESIGN.md allows);
     value = (element * s) * t.
     The tensor amax ignores non-finite values; a block whose s is 0 (or t is 0) gives zeros;
-    a block holding NaN or Inf gives NaN."""
-    e2m1, e4m3 = ELEMS["e2m1"], ELEMS["e4m3"]
+    a block holding NaN or Inf gives NaN. ``elem="int4"``: lowbit's INT4, the same with the
+    grid -7..7 in place of E2M1's (6 becomes 7: t = amax / 3136, s from amax_b / 7)."""
+    e2m1, e4m3 = ELEMS[elem], ELEMS["e4m3"]
+    top = e2m1.max
     f32 = np.float32
     x = np.asarray(x, np.float32)
     lay = _layout(x.shape, axis, block_shape, NVFP4_BLOCK)
@@ -347,10 +359,10 @@ def nvfp4_quantize(x, axis=-1, tensor_amax=None, block_shape=None) -> Quantized:
         tamax = f32(np.max(np.abs(x[np.isfinite(x)]), initial=f32(0)))
     else:
         tamax = f32(tensor_amax)
-    t = f32(tamax / f32(448.0 * 6.0))
+    t = f32(tamax / f32(448.0 * top))
     amax_b = np.max(np.where(finite[..., None], np.abs(xb), f32(0)), axis=-1)
     with np.errstate(divide="ignore", invalid="ignore"):
-        s_raw = np.minimum((amax_b / f32(6)) / t, f32(448))
+        s_raw = np.minimum((amax_b / f32(top)) / t, f32(448))
     assert s_raw.dtype == np.float32
     s_ok = (t > 0) & finite
     s64, s_code = round_to_grid(np.where(s_ok, s_raw, 0.0), e4m3)
@@ -360,7 +372,7 @@ def nvfp4_quantize(x, axis=-1, tensor_amax=None, block_shape=None) -> Quantized:
         r = (f32(1) / t) / np.where(s > 0, s, f32(1))[..., None]  # DESIGN.md: x * (1/t / s)
         v = np.where(live, xb * r, f32(0))
     assert v.dtype == np.float32
-    v = np.clip(v, f32(-6), f32(6))
+    v = np.clip(v, f32(-top), f32(top))
     elems64, codes = round_to_grid(v, e2m1)
     elems64 = np.where(live, elems64, 0.0)  # a block whose s is 0 gives zeros (+0.0)
     codes = np.where(live, codes, 0).astype(np.uint8)
@@ -378,6 +390,47 @@ def nvfp4_quantize(x, axis=-1, tensor_amax=None, block_shape=None) -> Quantized:
         scale=s.astype(np.float64),
         tensor_scale=t,
     )
+
+
+def bitnet_weight_quant(w) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """BitNet b1.58's ``weight_quant`` ("The Era of 1-bit LLMs: Training Tips, Code and FAQ")
+    in float32 numpy: ``scale = 1 / clamp(mean|w|, 1e-5)``; ``codes = clamp(round(w * scale),
+    -1, 1)``; values ``codes / scale``. Returns (values, codes as int8, scale). The mean is
+    float64 sum over the float32 count, so callers pass tensors whose sum of ``|w|`` is exact
+    in float32 (every implementation's float32 sum then agrees)."""
+    f32 = np.float32
+    w = np.asarray(w, np.float32)
+    total = np.sum(np.abs(w).astype(np.float64))
+    assert f32(total) == total, "choose w whose sum of |w| is exact in float32"
+    gamma = np.maximum(f32(total) / f32(w.size), f32(1e-5))
+    scale = f32(1) / gamma
+    codes = np.clip(np.round(w * scale), f32(-1), f32(1))  # numpy rounds half to even
+    # + 0: BitNet's float arithmetic gives -0.0 for a small negative weight; an integer code
+    # has no sign for zero, so lowbit's value is +0.0 (equal, not the same bits)
+    vals = codes / scale + f32(0)
+    assert vals.dtype == np.float32
+    return vals, codes.astype(np.int8), scale
+
+
+def bitnet_activation_quant(x) -> tuple[np.ndarray, np.ndarray]:
+    """BitNet b1.58's ``activation_quant`` per token (last axis) in float32 numpy:
+    ``scale = 127 / clamp(max|x|, 1e-5)``; ``codes = clamp(round(x * scale), -128, 127)``;
+    values ``codes / scale``. Returns (values, codes as int8)."""
+    f32 = np.float32
+    x = np.asarray(x, np.float32)
+    scale = f32(127) / np.maximum(np.max(np.abs(x), axis=-1, keepdims=True), f32(1e-5))
+    codes = np.clip(np.round(x * scale), f32(-128), f32(127))
+    vals = codes / scale + f32(0)  # +0.0 for BitNet's -0.0, as in bitnet_weight_quant
+    assert vals.dtype == np.float32
+    return vals, codes.astype(np.int8)
+
+
+def pack_trits(codes) -> np.ndarray:
+    """Ternary codes (-1, 0, 1) along the last axis, five a byte in base 3 (first code least
+    significant, digit ``code + 1``), as lowbit documents its ternary packing."""
+    t = np.asarray(codes, np.int64) + 1
+    g = t.reshape(*t.shape[:-1], t.shape[-1] // 5, 5)
+    return (g @ (3 ** np.arange(5))).astype(np.uint8)
 
 
 def unpack_codes(packed, bits: int) -> np.ndarray:

@@ -41,6 +41,7 @@ from tests.quantizer_base import (
 )
 
 FLOAT_ELEMS = sorted(ML_DTYPES)
+INT_STEP = {"int8": 2.0**-6, "int4": 1.0, "ternary": 1.0}  # value of code 1
 
 # Other test modules (tests/test_native.py, tests/test_pallas_quantize.py) import these by
 # their former names from here.
@@ -76,10 +77,14 @@ def test_decode_every_code(name):
     elem = LB_ELEMS[name]
     codes = np.arange(2**elem.bits, dtype=np.uint8)
     got = decode(codes, elem)
-    if name == "int8":
-        used = codes != 0x80  # -128 is unused in MX INT8
-        expected = codes.view(np.int8).astype(np.float64) * 2.0**-6
-        assert_bits_equal(got[used], expected[used], "int8 decode vs k * 2**-6")
+    if name in INT_STEP:
+        # two's complement in elem.bits bits; the most negative code (-128 in MX INT8, -8 in
+        # INT4, -2 in ternary) is unused
+        half = 2 ** (elem.bits - 1)
+        used = codes != half
+        k = np.where(codes >= half, codes.astype(np.int64) - 2 * half, codes)
+        expected = k.astype(np.float64) * INT_STEP[name]
+        assert_bits_equal(got[used], expected[used], f"{name} decode vs k * step")
     else:
         used = np.ones(codes.shape, bool)
         expected = codes.view(ML_DTYPES[name]).astype(np.float32)
@@ -92,7 +97,7 @@ def test_encode_inverts_decode_for_every_finite_code(name):
     elem = LB_ELEMS[name]
     codes = np.arange(2**elem.bits, dtype=np.uint8)
     vals = decode(codes, elem)
-    finite = np.isfinite(vals) & ((codes != 0x80) if name == "int8" else True)
+    finite = np.isfinite(vals) & ((codes != 2 ** (elem.bits - 1)) if name in INT_STEP else True)
     enc = np.asarray(jax.jit(qarray.encode_elements, static_argnums=1)(vals[finite], elem))
     assert_codes_equal(enc, codes[finite], f"{name} encode(decode(c))")
     nonfinite = codes[~np.isfinite(vals)].tolist()  # the special codes DESIGN.md names

@@ -22,6 +22,8 @@ FORMATS = {
     "mxfp4": ("e2m1", 32, "e8m0", False),
     "mxint8": ("int8", 32, "e8m0", False),
     "nvfp4": ("e2m1", 16, "ue4m3", True),
+    "int4": ("int4", 16, "ue4m3", True),
+    "ternary": ("ternary", 5, "absmean", True),
 }
 ALIASES = {"mxfp8": "mxfp8_e4m3", "mxfp6": "mxfp6_e2m3"}
 
@@ -37,6 +39,8 @@ BITS_PER_ELEMENT = {
     "mxfp8_e4m3": 8.25,
     "mxfp8_e5m2": 8.25,
     "mxint8": 8.25,
+    "int4": 4.5,
+    "ternary": 1.6,  # five codes a byte, no block scale
 }
 
 # DESIGN.md "Numerics" table: bits, max, smallest normal, smallest subnormal, emax.
@@ -68,9 +72,11 @@ def test_get_by_name(name):
     assert fmt.elem is LB_ELEMS[elem]
     assert fmt.block_size == block
     assert fmt.scale.name == scale
-    assert fmt.scale.bits == 8
+    assert fmt.scale.bits == (0 if scale == "absmean" else 8)
     assert fmt.tensor_scale == tensor_scale
     assert fmt.is_mx == (scale == "e8m0")
+    assert fmt.is_nv == (scale == "ue4m3")
+    assert fmt.is_absmean == (scale == "absmean")
 
 
 @pytest.mark.parametrize("alias", sorted(ALIASES))
@@ -175,6 +181,26 @@ def test_positive_grid_matches_reference_enumeration(name):
 
 def test_int8_positive_grid():
     np.testing.assert_array_equal(lb.formats.INT8.positive_grid, np.arange(128) / 64.0)
+
+
+# Integer grids: bits, max, step, packed bits per code.
+INTS = {"int4": (4, 7.0, 1.0, 4.0), "ternary": (2, 1.0, 1.0, 1.6), "int8_sym": (8, 127.0, 1.0, 8.0)}
+
+
+@pytest.mark.parametrize("name", sorted(INTS))
+def test_integer_grids(name):
+    bits, top, step, packed = INTS[name]
+    elem = {"int4": lb.formats.INT4, "ternary": lb.formats.TERNARY,
+            "int8_sym": lb.formats.INT8_SYM}[name]
+    assert elem.is_int and elem.bits == bits and elem.max == top
+    assert elem.packed_bits == packed
+    np.testing.assert_array_equal(elem.positive_grid, np.arange(0, top + step, step))
+    # the nearest-even rounding every quantizer uses lands on this grid, ties to even
+    v = np.concatenate([np.arange(-top, top + 0.25, 0.25), [0.5, 1.5, 2.5, -2.5]])
+    v = v[np.abs(v) <= top].astype(np.float32)
+    got = np.asarray(lb.numerics.round_to_grid(v, elem))
+    np.testing.assert_array_equal(got, np.round(v))  # numpy: half to even
+    assert not np.any(np.signbit(got) & (got == 0))  # two's complement: no -0
 
 
 @pytest.mark.parametrize("name", sorted(ELEMENTS))

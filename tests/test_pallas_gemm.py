@@ -204,7 +204,10 @@ def test_kernel_supports():
         tiles = any(s is not None and s.block_shape == (16, 16) for s in pair)
         tensor = any(s is not None and s.granularity == "tensor" for s in pair)
         quest = any(s is not None and s.scale_std is not None for s in pair)
-        expected = not tensor and not tiles and not quest  # weight-only pairs included
+        # int8 per token (bitnet, w*a8) and int4 / ternary weights run in the emulation
+        rows = any(s is not None and s.granularity == "row" for s in pair)
+        ints = any(s is not None and s.format in ("int4", "ternary") for s in pair)
+        expected = not (tensor or tiles or quest or rows or ints)  # weight-only included
         assert kernel_supports(*pair)[0] == expected
     ok, reason = kernel_supports(QuantSpec("mxfp4", scale_std=2.9), None)
     assert not ok and "scale_std=2.9" in reason

@@ -71,8 +71,8 @@ def weight_bits(recipe: Recipe, params: int) -> float:
     spec = recipe.fwd.rhs
     if spec is None:
         return FLOAT_BITS * params
-    if spec.granularity == "tensor":
-        return 8.0 * params + TENSOR_SCALE_BITS
+    if spec.granularity != "block":  # FP8 / int8 codes and float32 scales (one per tensor
+        return 8.0 * params + TENSOR_SCALE_BITS  # counted; a per-row weight's rows are not)
     extra = TENSOR_SCALE_BITS if _formats.get(spec.format).tensor_scale else 0.0
     return spec.bits_per_element * params + extra
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from lowbit.qarray import QArray
-from pallas_kernels._common import is_pow2, select_implementation
+from pallas_kernels._common import format_unsupported, is_pow2, select_implementation
 from pallas_kernels.block_scaled_matmul.config import Config, get_default
 from pallas_kernels.block_scaled_matmul.kernel import matmul_pallas
 from pallas_kernels.block_scaled_matmul.reference import block_scaled_matmul_reference
@@ -43,6 +43,8 @@ def _check_operand(x, name: str):
 def _kernel_unsupported(x, name: str, k_axis: int) -> str | None:
     """Why the kernel cannot take operand ``x`` (None if it can)."""
     if isinstance(x, QArray):
+        if (why := format_unsupported(x.format)) is not None:
+            return f"{name}: {why}"
         if x.axes != (k_axis,) or len(x.block_shape) != 1:
             return (
                 f"{name} must be quantized along K (axis {k_axis}) with 1-D blocks for the "

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from lowbit import formats
 from lowbit.qarray import QArray
 from lowbit.qarray import quantize as lowbit_quantize
-from pallas_kernels._common import on_gpu, time_fn
+from pallas_kernels._common import format_unsupported, on_gpu, time_fn
 from pallas_kernels.block_scaled_matmul.api import block_scaled_matmul
 from pallas_kernels.block_scaled_matmul.reference import block_scaled_matmul_reference
 
@@ -30,7 +30,10 @@ def _nbytes(x) -> int:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mkn", default="8192,8192,8192")
-    p.add_argument("--formats", default=",".join(formats.names()))
+    p.add_argument(
+        "--formats",
+        default=",".join(f for f in formats.names() if format_unsupported(formats.get(f)) is None),
+    )
     p.add_argument("--weight-only", action="store_true", help="A stays bf16")
     args = p.parse_args(argv)
     m, k, n = (int(s) for s in args.mkn.split(","))

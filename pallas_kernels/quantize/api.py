@@ -29,7 +29,7 @@ import numpy as np
 
 from lowbit import formats as _formats
 from lowbit.qarray import ROUNDINGS, SCALE_MODES, QArray
-from pallas_kernels._common import select_implementation
+from pallas_kernels._common import format_unsupported, select_implementation
 from pallas_kernels.quantize.config import Config, get_default
 from pallas_kernels.quantize.kernel import check_hadamard, quantize_pallas
 from pallas_kernels.quantize.reference import quantize_reference
@@ -96,11 +96,14 @@ def quantize(
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     if rounding == "stochastic" and key is None:
         raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
-    if fmt.is_mx:
+    if not fmt.is_nv:
         if scale_mode is not None and scale_mode not in SCALE_MODES:
             raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
         if tensor_amax is not None:
-            raise ValueError(f"tensor_amax applies only to NVFP4, not to {fmt.name}")
+            raise ValueError(
+                f"tensor_amax applies only to formats with an amax tensor scale (NVFP4, INT4), "
+                f"not to {fmt.name}"
+            )
     else:
         if scale_mode not in (None, "nvfp4"):
             raise ValueError(
@@ -123,8 +126,10 @@ def quantize(
     if rounding == "stochastic" and n_padded >= 2**32:
         raise ValueError(f"stochastic rounding supports fewer than 2**32 elements, got {n_padded}")
 
-    unsupported = None
-    if x.dtype not in KERNEL_DTYPES:
+    unsupported = format_unsupported(fmt)
+    if unsupported is not None:
+        pass
+    elif x.dtype not in KERNEL_DTYPES:
         unsupported = f"dtype {x.dtype} (the kernel reads float32, bfloat16, float16)"
     elif x.size == 0:
         unsupported = f"an empty matrix {x.shape}"

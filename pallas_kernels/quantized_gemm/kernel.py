@@ -24,7 +24,7 @@ from lowbit import formats as _formats
 from lowbit.operand import clip_to_rms, hadamard_along
 from lowbit.qarray import ungain
 from lowbit.recipes import QuantSpec
-from pallas_kernels._common import is_pow2
+from pallas_kernels._common import format_unsupported, is_pow2
 from pallas_kernels.block_scaled_matmul import get_default as _matmul_default
 from pallas_kernels.block_scaled_matmul.kernel import matmul_pallas
 from pallas_kernels.quantize import get_default as _quantize_default
@@ -42,7 +42,7 @@ def _spec_unsupported(spec: QuantSpec | None, name: str) -> str | None:
     if spec.granularity != "block":
         return (
             f"{name}: granularity={spec.granularity!r} ({spec.format} with one scale per "
-            "tensor) has no block-scaled kernel"
+            f"{spec.granularity}) has no block-scaled kernel"
         )
     if spec.scale_std is not None:
         return (
@@ -55,6 +55,8 @@ def _spec_unsupported(spec: QuantSpec | None, name: str) -> str | None:
             "own amax)"
         )
     fmt = _formats.get(spec.format)
+    if (why := format_unsupported(fmt)) is not None:
+        return f"{name}: {why}"
     if spec.block_shape is not None:
         if len(spec.block_shape) != 1:
             return (
