@@ -257,5 +257,37 @@ def test_kernels_decline_int4_and_ternary_with_a_reason():
     x = jnp.asarray(_wide((16, 64), 12))
     with pytest.warns(UserWarning, match="int4"):
         q = pq.quantize(x, "int4", implementation="pallas")
-    assert_bits_equal(np.asarray(lb.dequantize(q)), np.asarray(lb.fake_quantize(x, "int4")),
-                      "int4 through the kernel's fallback")
+    assert_bits_equal(
+        np.asarray(lb.dequantize(q)),
+        np.asarray(lb.fake_quantize(x, "int4")),
+        "int4 through the kernel's fallback",
+    )
+
+
+def test_bitnet_model_packs_serves_and_checkpoints(tmp_path):
+    """lowbit.flax: a bitnet model packs to ternary QArrays (no block scales), serves the same
+    outputs as its fake-quantized form, and survives a checkpoint round trip."""
+    from flax import nnx
+
+    import lowbit.flax as lbf
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(40, 64, rngs=rngs)
+            self.b = nnx.Linear(64, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jax.nn.gelu(self.a(x)))
+
+    model, rules = Net(nnx.Rngs(0)), [(".*", "bitnet")]
+    x = jax.random.normal(jax.random.key(1), (4, 40))
+    state = nnx.state(model, nnx.Param)
+    packed = lbf.pack(state, rules)
+    q = packed["a"]["kernel"].value
+    assert q.format_name == "ternary" and q.scales.size == 0
+    served = lbf.nnx.PackedModel(model, rules, packed)(x)
+    fake = lbf.nnx.quantize(model, rules, implementation="xla")(x)
+    assert_bits_equal(np.asarray(served), np.asarray(fake), "packed bitnet model")
+    back = lbf.checkpoint.restore(lbf.checkpoint.save(tmp_path / "ck", packed), packed)
+    jax.tree.map(np.testing.assert_array_equal, back, packed)
+    assert 8 * lbf.packed_nbytes(packed) < 0.2 * 32 * (40 * 64 + 64 * 8) + 32 * 72

@@ -158,7 +158,10 @@ def save(path: str | os.PathLike, tree: Any) -> pathlib.Path:
                 if a is None:
                     continue
                 key = f"a{i:05d}_{f}"
-                arrays[key] = a
+                if np.size(a) == 0:  # ternary's block scales: orbax stores no empty arrays,
+                    key = None  # the manifest's shape and dtype rebuild it
+                else:
+                    arrays[key] = a
                 rec["fields"][f] = {
                     "key": key,
                     "shape": list(np.shape(a)),
@@ -363,6 +366,8 @@ def restore(path: str | os.PathLike, target: Any = None, *, verify: bool = True)
             )
         else:
             for f, fr in r["fields"].items():
+                if fr["key"] is None:  # an empty field, not stored
+                    continue
                 sub = getattr(tleaf, f, None) if tleaf is not None else None
                 abstract[fr["key"]] = jax.ShapeDtypeStruct(
                     tuple(fr["shape"]), jnp.dtype(fr["dtype"]), sharding=_leaf_sharding(sub)
@@ -377,6 +382,8 @@ def restore(path: str | os.PathLike, target: Any = None, *, verify: bool = True)
         ) from e
 
     def check(key, fr, what):
+        if key is None and 0 in fr["shape"]:  # an empty field (save did not store it)
+            return jnp.zeros(tuple(fr["shape"]), jnp.dtype(fr["dtype"]))
         a = arrays.get(key)
         if (
             a is None
