@@ -53,8 +53,10 @@ from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 
 U32 = 2.0**-24  # float32 unit roundoff
 # The weight-only recipes share one GEMM path: one of them stands for both (each recipe here
-# costs ~13 s of suite time).
-ALL = [n for n in recipes.names() if not n.startswith("w4a16_")] + ["w4a16_nvfp4"]
+# costs ~13 s of suite time). So do the 8-bit-activation recipes (int8 rows times a block
+# format): w4a8_int4 and w16a8 stand for them; qat_ternary's weight is bitnet's.
+_SAME_PATH = ("w4a16_", "w8a8_", "w6a8_", "w4a8_mxfp4", "w4a8_nvfp4", "qat_ternary")
+ALL = [n for n in recipes.names() if not n.startswith(_SAME_PATH)] + ["w4a16_nvfp4"]
 QAT = [n for n in ALL if n.startswith("qat_")]
 KEY = jax.random.key(1234)
 HIGHEST = lax.Precision.HIGHEST

@@ -150,6 +150,10 @@ def _recipe_cases():
     variants |= {"w4a16_mxfp4", "w4a16_nvfp4"}  # the QAT weight path of qat_mxfp4 / qat_nvfp4
     # mxfp6: mxfp8's FQT path with another element format; qat_mxint8: qat_mxfp4's QAT path.
     variants |= {"mxfp6", "qat_mxint8"}
+    # the 8-bit-activation recipes: w4a8_int4's path with other weight formats; qat_int4:
+    # qat_nvfp4's path; qat_ternary: bitnet's weight with ternary activations
+    variants |= {"w8a8_mxfp8", "w6a8_mxfp6", "w4a8_mxfp4", "w4a8_nvfp4", "qat_int4",
+                 "qat_ternary"}
     return [pytest.param(n, marks=pytest.mark.slow) if n in variants else n
             for n in lb.recipes.names()]
 
