@@ -54,6 +54,7 @@ __all__ = [
     "weight_memory",
     "run_weight_memory",
     "pareto_front",
+    "interpolated_loss",
     "size_configs",
     "run_study",
     "render_markdown",
@@ -160,6 +161,26 @@ def pareto_front(memory: Sequence[float], loss: Sequence[float]) -> list[bool]:
         raise ValueError(f"{len(memory)=} and {len(loss)=} must match")
     pts = list(zip(memory, loss, strict=True))
     return [not any(_dominates(*q, *p) for q in pts) for p in pts]
+
+
+def interpolated_loss(memory: float, curve: Sequence[tuple[float, float]]) -> float | None:
+    """The loss a recipe would reach at ``memory`` by its ``curve`` of (memory, loss) points
+    across model sizes, linear in log memory between the two points that bracket it; None
+    outside the curve. The front is a set of points, and the sizes are a factor 3-5 apart in
+    parameters: this says whether a point beats the other recipes at its own memory, not only
+    whether some point happens to lie next to it.
+
+    >>> interpolated_loss(2.0, [(1.0, 3.0), (4.0, 2.0)])
+    2.5
+    """
+    pts = sorted(curve)
+    for (m0, l0), (m1, l1) in zip(pts, pts[1:], strict=False):
+        if m0 <= memory <= m1:
+            if m1 == m0:
+                return min(l0, l1)
+            f = math.log(memory / m0) / math.log(m1 / m0)
+            return l0 + f * (l1 - l0)
+    return None
 
 
 def _best_dominator(i: int, memory: Sequence[float], loss: Sequence[float]) -> int | None:
@@ -280,8 +301,7 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
     t0 = time.perf_counter()
     points: list[dict] = []
     for size, s in sized.items():
-        dirs = compare.run_all(s["config"], recipes, seeds_of[size], rerun=bool(c.rerun),
-                               log=log)
+        dirs = compare.run_all(s["config"], recipes, seeds_of[size], rerun=bool(c.rerun), log=log)
         results = compare.load_runs(dirs)
         rows = {r["recipe"]: r for r in compare.summarize(results)}
         for recipe in recipes:
@@ -324,6 +344,26 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
                 "recipe": points[j]["recipe"],
                 "memory_ratio": memory[j] / memory[i],
                 "loss_gap_pct": 100 * (loss[j] / loss[i] - 1),
+            }
+        )
+    # each point against every other recipe's curve across sizes, at the point's own memory
+    for p in points:
+        rivals = {}
+        for r in recipes:
+            if r == p["recipe"]:
+                continue
+            curve = [(q["memory_bits"], q["val_loss"]) for q in points if q["recipe"] == r]
+            at = interpolated_loss(p["memory_bits"], curve)
+            if at is not None:
+                rivals[r] = at
+        best = min(rivals, key=rivals.get) if rivals else None
+        p["interpolated_rival"] = (
+            None
+            if best is None
+            else {
+                "recipe": best,
+                "loss": rivals[best],
+                "gap_pct": 100 * (p["val_loss"] / rivals[best] - 1),
             }
         )
     front = sorted((p for p in points if p["on_front"]), key=lambda p: p["memory_bits"])
@@ -453,6 +493,20 @@ def render_markdown(result: dict, command: str = "") -> str:
                 else "**not on the front**: Pareto-suboptimal at every size."
             )
         )
+        for p in ternary:
+            rv = p.get("interpolated_rival")
+            if rv is not None:
+                lines.append(
+                    f"- {_where(p)} ({_loss_cell(p)}, {p['memory_mib']:.4f} MiB) against the "
+                    f"best other recipe at the same memory, interpolated between its sizes "
+                    f"(linear in log memory): {rv['recipe']} {rv['loss']:.4f}, ternary "
+                    f"{rv['gap_pct']:+.2f}%."
+                )
+            else:
+                lines.append(
+                    f"- {_where(p)}: no other recipe's sizes bracket its memory "
+                    f"({p['memory_mib']:.4f} MiB), so nothing to set it against there."
+                )
         for p in ternary:
             d = p["dominated_by"]
             if d is not None:
