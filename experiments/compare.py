@@ -45,6 +45,7 @@ __all__ = [
     "run_all",
     "load_runs",
     "summarize",
+    "noise_marked",
     "render_markdown",
     "plot_curves",
     "compare",
@@ -246,6 +247,13 @@ def _paired_cell(r: dict) -> str:
     gap = f"{r['paired_gap_pct']:+.2f}%"
     if r["paired_gap_std"] is not None:
         gap += f" ± {r['paired_gap_std']:.2f}"
+    return noise_marked(gap, r)
+
+
+def noise_marked(gap: str, r: dict) -> str:
+    """A gap's cell: ``gap`` with the half-width of its noise interval, or "within noise"
+    where it does not stand out of it (``r``: a :func:`summarize` row, its ``noise_pct`` and
+    ``distinguishable``)."""
     half = r.get("noise_pct")
     if half is None:
         return f"{gap} (noise unknown)"

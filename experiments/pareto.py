@@ -395,13 +395,7 @@ def _gap_cell(p: dict) -> str:
         return "baseline"
     if p["gap_pct"] is None:
         return "-"
-    gap = f"{p['gap_pct']:+.2f}%"
-    half = p.get("noise_pct")
-    if half is None:
-        return f"{gap} (noise unknown)"
-    if not p["distinguishable"]:
-        return f"within noise (±{half:.2f}%)"
-    return f"{gap} (noise ±{half:.2f}%)"
+    return compare.noise_marked(f"{p['gap_pct']:+.2f}%", p)
 
 
 def _loss_cell(p: dict) -> str:

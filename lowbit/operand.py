@@ -119,17 +119,16 @@ def scaled_fake_quantize(x, fmt: str, amax) -> jax.Array:
     an array that broadcasts against ``x``), as ``granularity="tensor"`` specs of element
     format ``fmt`` (``"e4m3"``, ``"e5m2"``, ``"int8"``) compute it; calibration
     (:mod:`lowbit.calibrate`) evaluates candidate amaxes with it."""
-    spec = QuantSpec(fmt, granularity="tensor")
     elem = _formats.tensor_element(fmt)
     s = _scale_of(amax, elem)
     v = round_to_grid(jnp.clip(x * s, -elem.max, elem.max), elem)
-    return _scaled_values(v, s, spec)
+    return _scaled_values(v, s, fmt)
 
 
-def _scaled_values(v, s, spec: QuantSpec):
-    """float32 values of :func:`_scaled_quantize`'s elements ``v`` and scale ``s``: ``v / s``
-    for int8 (BitNet's division), ``v * (1 / s)`` for FP8."""
-    if _formats.tensor_element(spec.format).is_int:
+def _scaled_values(v, s, fmt: str):
+    """float32 values of :func:`_scaled_quantize`'s elements ``v`` and scale ``s`` for
+    element format ``fmt``: ``v / s`` for int8 (BitNet's division), ``v * (1 / s)`` for FP8."""
+    if _formats.tensor_element(fmt).is_int:
         return ieee_div(v.astype(jnp.float32), s)
     return v.astype(jnp.float32) * (np.float32(1.0) / s)
 
@@ -243,7 +242,7 @@ def quantize_operand(
         v, scale = _scaled_quantize(x, spec, rounding_key, axis)
         if packed:
             return v.astype(_TENSOR_DTYPES[spec.format]), scale
-        return _qa.ungain(_scaled_values(v, scale, spec), spec.prescale)
+        return _qa.ungain(_scaled_values(v, scale, spec.format), spec.prescale)
     if two_d:
         if other_axis is None:
             raise ValueError(
@@ -268,7 +267,7 @@ def unpack_operand(packed, spec: QuantSpec | None) -> jax.Array:
     if spec is None:
         return packed
     if spec.granularity != "block":
-        y = _scaled_values(*packed, spec)
+        y = _scaled_values(*packed, spec.format)
     else:
         y = _qa.dequantize(packed, jnp.float32)
     return _qa.ungain(y, spec.prescale)

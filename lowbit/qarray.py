@@ -61,7 +61,6 @@ __all__ = [
     "mx_scale_exponent",
     "nvfp4_tensor_scale",
     "absmean_scales",
-    "NVFP4_TENSOR_DIVISOR",
     "ABSMEAN_FLOOR",
 ]
 
@@ -69,7 +68,6 @@ SCALE_MODES = ("floor", "ceil", "even", "rceil")
 ROUNDINGS = ("nearest", "stochastic")
 E8M0_NAN = 0xFF
 UE4M3_NAN = 0x7F
-NVFP4_TENSOR_DIVISOR = 448.0 * 6.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -478,10 +476,12 @@ def _amax_bits(xb: jax.Array, plan: Plan, finite_only: bool = False) -> jax.Arra
 
 def _quantize_blocks(xb, plan: Plan, key, tensor_amax, want_clip: bool) -> _Quantized:
     fmt, elem = plan.fmt, plan.fmt.elem
+    rbits = uniform_bits(key, xb.shape) if plan.stochastic else None
+    if fmt.is_absmean:  # one scale per tensor: no block maxima
+        return _quantize_absmean(xb, plan, rbits, want_clip)
     amax_bits = _amax_bits(xb, plan)
     amax = lax.bitcast_convert_type(amax_bits, jnp.float32)
     finite = amax_bits < _INF_BITS  # False for blocks holding NaN or Inf
-    rbits = uniform_bits(key, xb.shape) if plan.stochastic else None
 
     if fmt.is_mx:
         e = mx_scale_exponent(amax, elem, plan.scale_mode)
@@ -509,9 +509,6 @@ def _quantize_blocks(xb, plan: Plan, key, tensor_amax, want_clip: bool) -> _Quan
             return ungain((elems * hi) * lo, plan.gain)
 
         return _Quantized(q, code, mul, finite, clipped)
-
-    if fmt.is_absmean:
-        return _quantize_absmean(xb, plan, amax_bits, rbits, want_clip)
 
     # NVFP4 (and INT4): a float32 tensor scale and unsigned-E4M3 block scales.
     if tensor_amax is None:
@@ -574,7 +571,7 @@ def absmean_scales(x: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     return r, jnp.where(jnp.all(jnp.isfinite(a)), t, np.float32(np.nan))
 
 
-def _quantize_absmean(xb, plan: Plan, amax_bits, rbits, want_clip: bool) -> _Quantized:
+def _quantize_absmean(xb, plan: Plan, rbits, want_clip: bool) -> _Quantized:
     """Ternary (``fmt.is_absmean``): ``clip(round(x * r), -1, 1)``, values ``code * t``
     (:func:`absmean_scales`); BitNet b1.58's ``weight_quant``."""
     elem = plan.fmt.elem
@@ -585,13 +582,14 @@ def _quantize_absmean(xb, plan: Plan, amax_bits, rbits, want_clip: bool) -> _Qua
         v = v * np.float32(plan.gain)
     clipped = jnp.abs(v) > elem.max if want_clip else None
     q = round_to_grid(v, elem, rbits=rbits, saturate=True)
-    finite = jnp.isfinite(t) & jnp.ones(amax_bits.shape, bool)
+    # per block, as the other formats' fields are: all finite, or all NaN with t
+    per_block = tuple(1 if i in plan.block_axes else d for i, d in enumerate(xb.shape))
+    finite = jnp.broadcast_to(jnp.isfinite(t), per_block)
 
     def mul(elems, t=t):
         return ungain(elems * t, plan.gain)
 
-    return _Quantized(q, jnp.zeros(amax_bits.shape, jnp.uint8), mul, finite, clipped,
-                      tensor_scale=t)
+    return _Quantized(q, jnp.zeros(per_block, jnp.uint8), mul, finite, clipped, tensor_scale=t)
 
 
 def ungain(y: jax.Array, gain: float) -> jax.Array:

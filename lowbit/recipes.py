@@ -493,11 +493,11 @@ for _name in _formats.names() + list(_formats.ALIASES):
 #   the quantized operands in high precision: None backward specs.
 # BitLinear also RMS-normalises its input before quantizing it; that is a layer of the model,
 # not of the quantizer, and is not added here.
-A8 = QuantSpec("int8", granularity="row")
+_A8 = QuantSpec("int8", granularity="row")
 register(
     Recipe(
         "bitnet",
-        fwd=GemmSpec(A8, QuantSpec("ternary")),
+        fwd=GemmSpec(_A8, QuantSpec("ternary")),
         description="BitNet b1.58: ternary weights (-1, 0, 1 times the tensor's mean |w|), "
         "8-bit per-token absmax activations, straight-through gradients.",
         source="Ma et al. 2024, 'The Era of 1-bit LLMs: All Large Language Models are in 1.58 "
@@ -511,7 +511,7 @@ register(
 register(
     Recipe(
         "w16a8",
-        fwd=GemmSpec(A8, None),
+        fwd=GemmSpec(_A8, None),
         description="High-precision weights, 8-bit per-token absmax activations (BitNet's), "
         "straight-through gradients.",
         source="the activation quantizer of BitNet b1.58 (arXiv:2402.17764)",
@@ -522,7 +522,7 @@ for _bits, _name in ((8, "mxfp8"), (6, "mxfp6"), (4, "mxfp4"), (4, "nvfp4"), (4,
     register(
         Recipe(
             f"w{_bits}a8_{_name}",
-            fwd=GemmSpec(A8, _w),
+            fwd=GemmSpec(_A8, _w),
             description=f"QAT: {_w.format} weights (1-D blocks along the contraction axis), "
             "8-bit per-token absmax activations (BitNet's), straight-through gradients.",
             source="W4A8-style QAT; activations as BitNet b1.58 (arXiv:2402.17764); weights "
