@@ -16,7 +16,9 @@ computes it) on ``--batches`` batches; ``<method>_k`` calls ``score`` on the sam
 across calls on the same model). The per-batch cost of a method is ``(<method>_k - <method>_1)
 / (k - 1)``, set against ``float / k``. Bounds the project holds the methods to: ``gradient``
 at most 3x a float forward+backward; ``shapley`` at most ``steps`` times that, so its figure is
-also given per path point (``x float / steps``).
+also given per path point (``x float / steps``). Next to each time ratio, the flop ratio of the
+same work as XLA compiles it (``lowbit.autoquant.scoring_flops``): noise-free, and the floor
+that no schedule of the same arithmetic can beat where the GEMMs run at the float step's speed.
 """
 
 from __future__ import annotations
@@ -118,17 +120,28 @@ def main(argv: list[str] | None = None) -> dict:
     rows = [{"what": "float forward+backward", "per_batch_ms": 1e3 * f, "x_float": 1.0}]
     for m in methods:
         per = (t[f"{m}_k"].median_s - t[f"{m}_1"].median_s) / (k - 1)
-        row = {"what": m, "per_batch_ms": 1e3 * per, "x_float": per / f}
+        fl = aq.scoring_flops(
+            model,
+            loss_fn,
+            batches[0],
+            CANDIDATES,
+            method=m,
+            steps=a.steps,
+            output_fn=output_fn if m == "kl" else None,
+        )
+        row = {"what": m, "per_batch_ms": 1e3 * per, "x_float": per / f, "flops_x": fl["x_float"]}
         if m == "gradient":
             row.update(bound=GRADIENT_BOUND, ok=bool(per / f <= GRADIENT_BOUND))
         if m == "shapley":
             row.update(
                 per_point=per / f / a.steps,
+                flops_per_point=fl["per_point"],
                 bound=GRADIENT_BOUND,
                 ok=bool(per / f / a.steps <= GRADIENT_BOUND),
             )
         if m in ("isolated", "kl"):
-            row.update(per_point=per / f / (n_sites * len(CANDIDATES)))
+            n = n_sites * len(CANDIDATES)
+            row.update(per_point=per / f / n, flops_per_point=fl["x_float"] / n)
         rows.append(row)
     print(
         f"GPT d_model {cfg.d_model}, {cfg.layers} layers, batch {shape['batch']} x "
@@ -140,11 +153,16 @@ def main(argv: list[str] | None = None) -> dict:
         ("per_batch_ms", "per batch ms", "{:.1f}"),
         ("x_float", "x float", "{:.2f}x"),
         ("per_point", "x float per point", "{:.2f}x"),
+        ("flops_x", "flops x float", "{:.2f}x"),
+        ("flops_per_point", "flops per point", "{:.2f}x"),
         ("bound", "bound", "{:.2f}x"),
         ("ok", "ok"),
     ]
     print(common.format_table(rows, cols))
-    print("(per point: shapley per path point; isolated / kl per site and candidate)")
+    print(
+        "(per point: shapley per path point; isolated / kl per site and candidate. flops: XLA's\n"
+        " count of the compiled programs, lowbit.autoquant.scoring_flops; ok judges the time)"
+    )
     payload = {
         "config": {
             **shape,

@@ -14,7 +14,8 @@ reused when that run finished with the same config. Fields:
 
 - ``candidates``: the recipes each site may take besides ``none`` (only their forward counts:
   the forward-only ``qat_*`` recipes, weights and activations quantized).
-- ``methods``: ``lowbit.autoquant.METHODS`` to compare; ``shapley_steps`` path points.
+- ``methods``: ``lowbit.autoquant.METHODS`` to compare; ``shapley_steps`` path points and
+  ``shapley_rule`` their quadrature (``midpoint`` or ``gauss``).
 - ``calib_batches``: training batches the scores are measured on; ``eval_batches``:
   validation batches every plan is evaluated on (0: the base config's ``train.eval_batches``).
 - ``budgets``: bits per parameter (scales included, float = 16) to solve for.
@@ -58,6 +59,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.candidates = "qat_mxfp8,qat_mxfp6,qat_nvfp4,qat_mxfp4"
     c.methods = "isolated,gradient,kl,shapley"
     c.shapley_steps = 8
+    c.shapley_rule = "midpoint"  # or "gauss" (lowbit.autoquant.path_points)
     c.calib_batches = 8
     c.eval_batches = 32
     c.budgets = "4.5,5,6,8"

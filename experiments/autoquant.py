@@ -244,7 +244,8 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
     for method in methods:
         t = time.perf_counter()
         s = aq.score(model, cross_entropy, batches, candidates, method=method,
-                     steps=int(c.shapley_steps), groups=groups,
+                     steps=int(c.shapley_steps), rule=str(c.get("shapley_rule", "midpoint")),
+                     groups=groups,
                      output_fn=logits if method == "kl" else None, seed=int(c.seed))
         jax.block_until_ready(s.damage)
         timings[method] = time.perf_counter() - t

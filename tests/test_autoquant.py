@@ -235,20 +235,37 @@ def test_shapley_completeness_weight_only(mlp, batches):
         - np.mean([float(nnx.jit(mse)(mlp, b)) for b in batches])
         for c in cands
     }
-    errs = {}
-    for steps in (1, 4, 16):
-        s = aq.score(mlp, mse, batches, cands, method="shapley", steps=steps)
-        errs[steps] = [
+    errs, damage = {}, {}
+    for rule, steps in [("midpoint", 1), ("midpoint", 4), ("midpoint", 16), ("gauss", 1),
+                        ("gauss", 2), ("gauss", 3)]:
+        s = aq.score(mlp, mse, batches, cands, method="shapley", steps=steps, rule=rule)
+        assert (s.steps, s.rule) == (steps, rule)
+        damage[rule, steps] = s.damage
+        errs[rule, steps] = [
             abs(s.damage[:, j].sum() - full[c]) / abs(full[c]) for j, c in enumerate(cands, 1)
         ]
+    # one point: both rules take t = 1/2 with weight 1
+    np.testing.assert_array_equal(damage["gauss", 1], damage["midpoint", 1])
+    mid = {n: errs["midpoint", n] for n in (1, 4, 16)}
     for j in range(2):
-        assert errs[16][j] < errs[4][j] < errs[1][j], errs
-        assert errs[16][j] < 1e-3, errs
+        assert mid[16][j] < mid[4][j] < mid[1][j], errs
+        assert mid[16][j] < 1e-3, errs
+        # Gauss-Legendre on the smooth path: 2 points beat 4 midpoints, and 3 reach the
+        # float32 floor of the measured change (a few 1e-5), as 16 midpoints do
+        assert errs["gauss", 2][j] < mid[4][j], errs
+        assert errs["gauss", 3][j] < 1e-4, errs
 
 
-def test_shapley_credit_is_the_path_integral_of_the_hand_model(mlp, batches):
-    """One site's credit at steps=2 equals the midpoint rule written out by hand."""
-    s = aq.score(mlp, mse, batches[:1], ["qat_mxfp4"], method="shapley", steps=2)
+@pytest.mark.parametrize(
+    "rule, points",
+    [
+        ("midpoint", [(0.25, 0.5), (0.75, 0.5)]),
+        ("gauss", [(0.5 - 0.5 / np.sqrt(3), 0.5), (0.5 + 0.5 / np.sqrt(3), 0.5)]),
+    ],
+)
+def test_shapley_credit_is_the_path_integral_of_the_hand_model(mlp, batches, rule, points):
+    """One site's credit at steps=2 equals the rule's two points written out by hand."""
+    s = aq.score(mlp, mse, batches[:1], ["qat_mxfp4"], method="shapley", steps=2, rule=rule)
     p = _params(mlp)
     x, t = batches[0]
 
@@ -259,8 +276,33 @@ def test_shapley_credit_is_the_path_integral_of_the_hand_model(mlp, batches):
         return jnp.mean((_hand_forward(p, x, ys) - t) ** 2)
 
     grad = jax.jit(jax.grad(loss))
-    want = np.mean([np.asarray(grad(jnp.full(3, tt))) for tt in (0.25, 0.75)], axis=0)
+    want = sum(w * np.asarray(grad(jnp.full(3, np.float32(tt)))) for tt, w in points)
     np.testing.assert_allclose(s.damage[:, 1], want, rtol=2e-3, atol=1e-8)
+
+
+def test_scoring_flops_counts_the_float_step_and_the_path_points(mlp, batches):
+    """The float step is the gradient of the loss in every parameter; a Shapley path point
+    costs at least its GEMMs (both forward GEMMs of every site and the backward GEMM of each
+    site after the first), and the count scales with steps."""
+    b = batches[0]
+    gd, params, rest = nnx.split(mlp, nnx.Param, ...)
+    grad = jax.jit(jax.grad(lambda p: mse(nnx.merge(gd, p, rest), b)))
+    cost = grad.lower(params).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    two = aq.scoring_flops(mlp, mse, b, ["qat_mxfp4", "qat_mxfp8"], method="shapley", steps=2)
+    four = aq.scoring_flops(mlp, mse, b, ["qat_mxfp4", "qat_mxfp8"], method="shapley", steps=4)
+    assert two["float"] == four["float"] == cost["flops"]
+    assert four["method"] == 2 * two["method"] and four["per_point"] == two["per_point"]
+    m, dims = 32, [(D_IN, D_H), (D_H, D_H), (D_H, D_OUT)]
+    gemms = sum(2 * 2 * m * k * n for k, n in dims) + sum(2 * m * k * n for k, n in dims[1:])
+    assert two["method"] >= 2 * 2 * gemms  # 2 candidates x 2 points
+    iso = aq.scoring_flops(mlp, mse, b, ["qat_mxfp4"], method="isolated")
+    fwd = sum(2 * m * k * n for k, n in dims)
+    assert iso["method"] >= (1 + 3) * fwd and iso["x_float"] == iso["method"] / iso["float"]
+    with pytest.raises(ValueError, match="batch is None"):
+        aq.scoring_flops(mlp, mse, None, ["qat_mxfp4"], method="gradient")
+    with pytest.raises(ValueError, match="unknown method='hessian'"):
+        aq.scoring_flops(mlp, mse, b, ["qat_mxfp4"], method="hessian")
 
 
 def test_groups_add_and_plans_feed_quantize(mlp, batches, tmp_path):
@@ -336,6 +378,11 @@ def test_score_errors(mlp, batches):
         aq.score(mlp, mse, batches, ["mxfp4"], method="kl")
     with pytest.raises(ValueError, match="rule 'attn' reaches no weight site"):
         aq.score(mlp, mse, batches, ["mxfp4"], method="gradient", rules=[("attn", "mxfp4")])
+    with pytest.raises(ValueError, match="unknown rule='simpson'; valid rules"):
+        aq.score(mlp, mse, batches, ["mxfp4"], method="shapley", rule="simpson")
+    for steps in (0, 2.5, True):
+        with pytest.raises(ValueError, match="steps must be a positive int"):
+            aq.score(mlp, mse, batches, ["mxfp4"], method="shapley", steps=steps)
 
 
 # --------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ def tiny_study(tmp: Path, mlp: str = "dense", *, full: bool = False):
         c.budgets, c.qat_steps, c.qat_budgets = "4.5,6", 2, "4.5"
     else:
         c.methods, c.budgets, c.qat_steps = "isolated,shapley", "4.5", 0
+        c.shapley_rule = "gauss"
     return c
 
 
@@ -104,6 +105,9 @@ def check_study(study, methods, budgets):
     for m in methods:
         assert v[m]["spearman"] is None or -1 <= v[m]["spearman"] <= 1
         assert ("mae" in v[m]) == (m in ("isolated", "shapley"))
+    if "shapley" in methods:  # the configured quadrature is the one scored and recorded
+        sh = json.loads(js.read_text())["scores"]["shapley"]
+        assert (sh["steps"], sh["rule"]) == (c.shapley_steps, c.shapley_rule)
     if "shapley" in methods:  # the MAE is that of the recorded predictions
         mae = np.mean([abs(p["predicted"]["shapley"] - p["delta_calib"]) for p in pts])
         assert v["shapley"]["mae"] == pytest.approx(mae)

@@ -28,19 +28,31 @@ the exact multiple-choice knapsack (:func:`knapsack`); ``plan.rules()`` feeds
 """
 
 from lowbit.autoquant.heuristic import PRESETS, ROLES, classify, heuristic, weight_sites
-from lowbit.autoquant.scoring import FLOAT_BITS, METHODS, Scores, score, weight_bits
+from lowbit.autoquant.scoring import (
+    FLOAT_BITS,
+    METHODS,
+    RULES,
+    Scores,
+    path_points,
+    score,
+    scoring_flops,
+    weight_bits,
+)
 from lowbit.autoquant.solver import Plan, knapsack, recipe_from_json, recipe_to_json, solve
 
 __all__ = [
     "PRESETS",
     "ROLES",
     "METHODS",
+    "RULES",
     "FLOAT_BITS",
     "classify",
     "heuristic",
     "weight_sites",
     "score",
     "Scores",
+    "path_points",
+    "scoring_flops",
     "weight_bits",
     "knapsack",
     "solve",

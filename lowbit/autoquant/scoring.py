@@ -19,7 +19,14 @@ lowbit ops (``lowbit.flax.quantize(..., observe=True)``) and rewrites site outpu
   midpoint rule over ``steps`` points (a gate per site, so all credits of a point are one
   ``jax.grad``). The credits add up to the loss change of quantizing all sites at once (exactly
   so as ``steps`` grows when the path is smooth, i.e. for weight-only candidates), saturation
-  included, which summed isolated scores are not.
+  included, which summed isolated scores are not. ``rule="gauss"`` takes Gauss-Legendre
+  points and weights instead: on a smooth path its error falls far faster with ``steps`` (on
+  the test MLP, 2 Gauss points are as complete as 16 midpoints), so the same credits cost
+  fewer points; on a W+A path, whose loss jumps where an activation's rounding flips, neither
+  rule converges.
+
+:func:`scoring_flops` gives XLA's flop count of one batch's scoring next to a float
+forward+backward of the same loss: the cost of a method without timing noise.
 
 Damage is in loss units (mean over batches) for ``"isolated"`` and ``"shapley"``, so sums of
 it predict loss changes; ``"gradient"`` and ``"kl"`` are scores.
@@ -48,9 +55,11 @@ from lowbit.autoquant.heuristic import classify
 from lowbit.autoquant.solver import recipe_from_json, recipe_to_json
 from lowbit.recipes import Recipe
 
-__all__ = ["METHODS", "FLOAT_BITS", "Scores", "score", "weight_bits"]
+__all__ = ["METHODS", "RULES", "FLOAT_BITS", "Scores", "score", "scoring_flops", "path_points",
+           "weight_bits"]
 
 METHODS = ("isolated", "gradient", "kl", "shapley")
+RULES = ("midpoint", "gauss")  # "shapley": the quadrature of the path integral
 FLOAT_BITS = 16.0  # a float weight counts as bf16, as deployed
 TENSOR_SCALE_BITS = 32.0  # one float32 scale per tensor (NVFP4, per-tensor FP8)
 _NONE = _recipes.get("none")
@@ -95,7 +104,8 @@ class Scores:
       params: site (or group) -> number of weight parameters.
       members: group -> the site paths it holds (a lone site: itself).
       recipes: candidate name -> :class:`lowbit.Recipe`.
-      batches: batches scored; steps: path points (``"shapley"``); loss: the mean float loss.
+      batches: batches scored; steps: path points and rule: their quadrature (``"shapley"``);
+      loss: the mean float loss.
     """
 
     sites: tuple[str, ...]
@@ -109,6 +119,7 @@ class Scores:
     batches: int = 0
     steps: int | None = None
     loss: float | None = None
+    rule: str | None = None
 
     def recipe(self, name: str) -> Recipe:
         """The candidate called ``name``."""
@@ -145,6 +156,7 @@ class Scores:
             "batches": self.batches,
             "steps": self.steps,
             "loss": self.loss,
+            "rule": self.rule,
         }
 
     @classmethod
@@ -161,6 +173,8 @@ class Scores:
             batches=int(d["batches"]),
             steps=d.get("steps"),
             loss=d.get("loss"),
+            # written before the rule was recorded: the midpoint rule, the only one then
+            rule=d.get("rule", "midpoint" if d.get("steps") is not None else None),
         )
 
     def save(self, path: str | os.PathLike) -> pathlib.Path:
@@ -373,6 +387,32 @@ def _needs_key(r: Recipe) -> bool:
     return r.fwd.stochastic or bool(r.fwd.hadamard and r.fwd.random_signs)
 
 
+def path_points(steps: int, rule: str = "midpoint") -> tuple[np.ndarray, np.ndarray]:
+    """The ``"shapley"`` path points ``t`` in (0, 1) and their weights (which sum to 1).
+
+    ``"midpoint"``: the midpoints of ``steps`` equal intervals, each weighing ``1 / steps``.
+    ``"gauss"``: the Gauss-Legendre nodes and weights mapped to [0, 1], exact for polynomials
+    of degree ``2 steps - 1``.
+
+    >>> path_points(2)
+    (array([0.25, 0.75], dtype=float32), array([0.5, 0.5]))
+    >>> t, w = path_points(2, "gauss")
+    >>> [round(float(v), 4) for v in t], w.tolist()  # 1/2 -+ 1/(2 sqrt(3))
+    ([0.2113, 0.7887], [0.5, 0.5])
+    """
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"score: steps must be a positive int, got {steps!r}")
+    if rule == "midpoint":
+        t = (np.arange(steps) + 0.5) / steps
+        w = np.full(steps, 1.0 / steps)
+    elif rule == "gauss":
+        x, w = np.polynomial.legendre.leggauss(int(steps))
+        t, w = (x + 1.0) / 2.0, w / 2.0
+    else:
+        raise ValueError(f"score: unknown rule={rule!r}; valid rules: {RULES}")
+    return t.astype(np.float32), w
+
+
 # --------------------------------------------------------------------------------------------
 # The methods' programs
 
@@ -447,16 +487,22 @@ class _Program:
 
         return self.run(fn, state, batch, hook)
 
+    def loss_at(self, state, batch, key, sel):
+        """The loss of one configuration (``sel[i]``: site ``i``'s candidate, 0 = float)."""
+        return _scalar(self._selected(state, batch, sel, key, self.loss_fn)).astype(jnp.float32)
+
+    def logp_at(self, state, batch, key, sel):
+        """The log-probabilities ``output_fn`` gives under one configuration."""
+        out = self._selected(state, batch, sel, key, self.output_fn)
+        return jax.nn.log_softmax(jnp.asarray(out, jnp.float32), axis=-1)
+
     @functools.cached_property
     def losses(self):
         """(state, batch, sels [n, sites], key) -> loss per configuration [n]."""
 
-        def one(state, batch, key, sel):
-            return _scalar(self._selected(state, batch, sel, key, self.loss_fn)).astype(jnp.float32)
-
         @jax.jit
         def f(state, batch, sels, key):
-            return jax.lax.map(functools.partial(one, state, batch, key), sels)
+            return jax.lax.map(functools.partial(self.loss_at, state, batch, key), sels)
 
         return f
 
@@ -464,16 +510,12 @@ class _Program:
     def kls(self):
         """(state, batch, sels [n, sites], key) -> mean KL(float || configuration) [n]."""
 
-        def logp(state, batch, key, sel):
-            out = self._selected(state, batch, sel, key, self.output_fn)
-            return jax.nn.log_softmax(jnp.asarray(out, jnp.float32), axis=-1)
-
         @jax.jit
         def f(state, batch, sels, key):
-            base = logp(state, batch, key, jnp.zeros_like(sels[0]))
+            base = self.logp_at(state, batch, key, jnp.zeros_like(sels[0]))
 
             def kl(sel):
-                lq = logp(state, batch, key, sel)
+                lq = self.logp_at(state, batch, key, sel)
                 return jnp.mean(jnp.sum(jnp.exp(base) * (base - lq), axis=-1))
 
             return jax.lax.map(kl, sels)
@@ -612,6 +654,110 @@ def _program(run: _Runner, loss_fn, output_fn, paths, recipes) -> _Program:
 # score
 
 
+def _prepare(model, loss_fn, batch, candidates, method, rules, output_fn, variables):
+    """Checks the arguments and builds what scoring needs: (runner, sites, recipes, program)."""
+    if method not in METHODS:
+        raise ValueError(f"score: unknown method={method!r}; valid methods: {METHODS}")
+    if not callable(loss_fn):
+        raise TypeError(f"score: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if method == "kl" and output_fn is None:
+        raise ValueError(
+            "score: method='kl' needs output_fn(model, batch) -> logits (the distributions "
+            "whose divergence is measured)"
+        )
+    recipes = _candidates(candidates)
+    run = _runner(model, variables)
+    if batch is None:
+        raise ValueError("score: batches is empty; scoring needs at least one batch")
+    reached = _discover(run, loss_fn, batch)
+    if method == "kl":
+        jax.eval_shape(
+            lambda st, b: run(output_fn, st, b, lambda s, g, lhs, rhs: g(lhs, rhs, _NONE)),
+            run.state,
+            batch,
+        )
+    chosen = _select(reached, rules)
+    prog = _program(run, loss_fn, output_fn, [s.path for s in chosen], recipes)
+    return run, chosen, recipes, prog
+
+
+def _flops(jitted, *args) -> float:
+    """XLA's flop count of ``jitted(*args)`` as compiled for this backend."""
+    cost = jitted.lower(*args).compile().cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+        cost = cost[0]
+    return float(cost["flops"])
+
+
+def scoring_flops(
+    model,
+    loss_fn: Callable,
+    batch,
+    candidates,
+    *,
+    method: str,
+    steps: int = 8,
+    rules=None,
+    output_fn: Callable | None = None,
+    variables=None,
+) -> dict[str, float]:
+    """XLA's flop count of scoring one batch, next to a float forward+backward of the loss.
+
+    The arguments are :func:`score`'s (``batch``: one batch). The float forward+backward is
+    the gradient of ``loss_fn`` with respect to every parameter, as a training step computes
+    it. Per batch, a method runs: ``"isolated"`` one forward per site and candidate plus the
+    float one; ``"kl"`` the same of ``output_fn``; ``"gradient"`` one forward and backward with
+    the candidates' GEMMs; ``"shapley"`` one forward and backward per path point and candidate
+    (the once-per-call weight quantization not counted). Flops are what the compiled programs
+    do (GEMMs and elementwise work alike), free of the timing noise of a shared machine, but
+    blind to how fast each op runs: ``benchmarks/bench_autoquant.py`` gives both.
+
+    Returns ``{"float": flops, "method": flops per batch, "x_float": their ratio, "per_point":
+    the ratio per path point ("shapley")}``.
+    """
+    if method == "shapley":
+        path_points(steps)  # the check
+    if batch is None:
+        raise ValueError("scoring_flops: batch is None; pass one batch of what loss_fn takes")
+    run, chosen, recipes, prog = _prepare(
+        model, loss_fn, batch, candidates, method, rules, output_fn, variables
+    )
+    n_s, n_c = len(chosen), len(recipes)
+    key = jax.random.key(0)
+    if run.fw == "nnx":
+        from flax import nnx
+
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def float_loss(params, batch):
+            return _scalar(loss_fn(nnx.merge(graphdef, params, rest), batch))
+
+    else:
+        variables = run.state
+        params = variables["params"]
+
+        def float_loss(params, batch):
+            return _scalar(loss_fn({**variables, "params": params}, batch))
+
+    f = _flops(jax.jit(jax.grad(float_loss)), params, batch)
+    sel = jnp.zeros((n_s,), jnp.int32)
+    if method == "isolated":
+        m = (1 + n_s * (n_c - 1)) * _flops(jax.jit(prog.loss_at), run.state, batch, key, sel)
+    elif method == "kl":
+        m = (1 + n_s * (n_c - 1)) * _flops(jax.jit(prog.logp_at), run.state, batch, key, sel)
+    elif method == "gradient":
+        m = _flops(prog.gradient, run.state, batch, key)
+    else:
+        m = 0.0
+        for j in range(1, n_c):
+            rqs = prog.weights(run.state, batch, key, j)
+            m += steps * _flops(prog.path, run.state, batch, key, np.float32(0.5), np.int32(j), rqs)
+    out = {"float": f, "method": m, "x_float": m / f}
+    if method == "shapley":
+        out["per_point"] = m / f / steps
+    return out
+
+
 def score(
     model,
     loss_fn: Callable,
@@ -625,6 +771,7 @@ def score(
     output_fn: Callable | None = None,
     variables=None,
     seed: int = 0,
+    rule: str = "midpoint",
 ) -> Scores:
     """Score every site of ``model`` at every candidate recipe.
 
@@ -638,6 +785,8 @@ def score(
         alike); only their forward GEMM matters. ``"none"`` is always a candidate, first.
       method: ``"isolated"``, ``"gradient"``, ``"kl"`` or ``"shapley"`` (module docstring).
       steps: ``"shapley"``: path points (the midpoints of ``steps`` intervals of [0, 1]).
+      rule: ``"shapley"``: ``"midpoint"`` or ``"gauss"`` (Gauss-Legendre points and weights;
+        :func:`path_points`).
       rules: which sites to score: those a ``lowbit.flax`` rule quantizes (e.g. the output
         of :func:`lowbit.autoquant.heuristic`; the rules' recipes are not used). Default:
         every weight site but embeddings, the LM head and MoE routers.
@@ -666,33 +815,13 @@ def score(
     >>> s.sites, s.candidates, s.damage.shape, s.cost[0].tolist()
     (('layers/0', 'layers/2'), ('none', 'mxfp8', 'mxfp4'), (2, 3), [32768.0, 16896.0, 8704.0])
     """
-    if method not in METHODS:
-        raise ValueError(f"score: unknown method={method!r}; valid methods: {METHODS}")
-    if not callable(loss_fn):
-        raise TypeError(f"score: loss_fn must be callable, got {type(loss_fn).__name__}")
-    if method == "kl" and output_fn is None:
-        raise ValueError(
-            "score: method='kl' needs output_fn(model, batch) -> logits (the distributions "
-            "whose divergence is measured)"
-        )
-    if method == "shapley" and (not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"score: steps must be a positive int, got {steps!r}")
-    recipes = _candidates(candidates)
-    run = _runner(model, variables)
+    ts, ws = path_points(steps, rule) if method == "shapley" else (None, None)
     it = iter(batches)
     first = next(it, None)
-    if first is None:
-        raise ValueError("score: batches is empty; scoring needs at least one batch")
-    reached = _discover(run, loss_fn, first)
-    if method == "kl":
-        jax.eval_shape(
-            lambda st, b: run(output_fn, st, b, lambda s, g, lhs, rhs: g(lhs, rhs, _NONE)),
-            run.state,
-            first,
-        )
-    chosen = _select(reached, rules)
+    run, chosen, recipes, prog = _prepare(
+        model, loss_fn, first, candidates, method, rules, output_fn, variables
+    )
     paths = [s.path for s in chosen]
-    prog = _program(run, loss_fn, output_fn, paths, recipes)
     n_s, n_c = len(paths), len(recipes)
     base = jax.random.key(seed)
     damage = np.zeros((n_s, n_c))
@@ -716,13 +845,12 @@ def score(
         elif method == "gradient":
             damage[:, 1:] += np.asarray(prog.gradient(run.state, batch, key), np.float64)
         else:
-            for j in range(1, n_c):  # the midpoint rule along candidate j's path
+            for j in range(1, n_c):  # the quadrature of candidate j's path integral
                 if j not in rqs or _needs_key(prog.quant[j - 1]):
                     rqs[j] = prog.weights(run.state, batch, key, j)
-                for k in range(steps):
-                    t = np.float32((k + 0.5) / steps)
+                for t, w in zip(ts, ws, strict=True):
                     g = prog.path(run.state, batch, key, t, np.int32(j), rqs[j])
-                    damage[:, j] += np.asarray(g, np.float64) / steps
+                    damage[:, j] += np.asarray(g, np.float64) * w
         n += 1
     if method in ("isolated", "kl", "shapley"):
         damage /= n
@@ -749,6 +877,7 @@ def score(
         batches=n,
         steps=steps if method == "shapley" else None,
         loss=float(np.mean(losses)) if losses else None,
+        rule=rule if method == "shapley" else None,
     )
 
 
