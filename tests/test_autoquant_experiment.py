@@ -215,3 +215,25 @@ def test_resume_refuses_a_plan_file_that_changed(study, tmp_path):
     with pytest.raises(ConfigError, match=r"plan file quant\.plan=.* changed since"):
         training.train(cfg, resume=True, log=_quiet)
     assert aq.Plan.load(cfg.run_dir / "plan.json") == changed  # nothing was overwritten
+
+
+def test_shapley_rules_compares_the_rules_on_a_trained_run(study, tmp_path):
+    """experiments.shapley_rules on the study's float run: one point is t = 1/2 for both rules,
+    and each ratio is the summed credits over the change measured by quantizing every site."""
+    from experiments import shapley_rules
+
+    _, result, _ = study
+    out = tmp_path / "rules.json"
+    args = ["--run", result["float_run"], "--batches", "1", "--candidates", "w4a16_mxfp4",
+            "--midpoint", "1", "--gauss", "1,2", "--out", str(out)]
+    payload = shapley_rules.main(args)
+    assert json.loads(out.read_text())["rows"] == payload["rows"]
+    rows = {(r["rule"], r["steps"]): r for r in payload["rows"]}
+    assert set(rows) == {("midpoint", 1), ("gauss", 1), ("gauss", 2)}
+    assert rows["midpoint", 1]["sum_credits"] == rows["gauss", 1]["sum_credits"]
+    for r in rows.values():
+        assert r["measured"] == payload["measured"]["w4a16_mxfp4"] != 0
+        assert r["ratio"] == pytest.approx(r["sum_credits"] / r["measured"], rel=1e-12)
+    assert "| gauss | 2 |" in payload["table"]
+    with pytest.raises(SystemExit):
+        shapley_rules.main(["--run", result["float_run"], "--gauss", "0"])
