@@ -75,17 +75,21 @@ def main(argv: list[str] | None = None) -> dict:
         {k: jnp.asarray(v) for k, v in b.items()}
         for b in training.calibration_batches(cfg, a.batches, full=True)
     ]
+    scores, secs = {}, {}
+    for rule, n in settings:
+        t = time.perf_counter()
+        scores[rule, n] = aq.score(
+            model, cross_entropy, batches, cands, method="shapley", steps=n, rule=rule
+        )
+        secs[rule, n] = time.perf_counter() - t
+    sites = scores[settings[0]].sites  # no groups: the scored site paths
     base = training.evaluate(cfg, model, batches=batches)["val_loss"]
-    sites = aq.score(model, cross_entropy, batches[:1], cands[:1], method="gradient").sites
     measured = {}
     for c in cands:
         m = ptq.simulate(model, [(s, c) for s in sites])
         measured[c] = training.evaluate(cfg, m, batches=batches)["val_loss"] - base
     rows = []
-    for rule, n in settings:
-        t = time.perf_counter()
-        s = aq.score(model, cross_entropy, batches, cands, method="shapley", steps=n, rule=rule)
-        secs = time.perf_counter() - t
+    for (rule, n), s in scores.items():
         for j, c in enumerate(cands, 1):
             total = float(s.damage[:, j].sum())
             rows.append(
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "sum_credits": total,
                     "measured": measured[c],
                     "ratio": total / measured[c],
-                    "score_seconds": secs,
+                    "score_seconds": secs[rule, n],
                 }
             )
     cmd = "python -m experiments.shapley_rules " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -21,9 +21,9 @@ lowbit ops (``lowbit.flax.quantize(..., observe=True)``) and rewrites site outpu
   so as ``steps`` grows when the path is smooth, i.e. for weight-only candidates), saturation
   included, which summed isolated scores are not. ``rule="gauss"`` takes Gauss-Legendre
   points and weights instead: on a smooth path its error falls far faster with ``steps`` (on
-  the test MLP, 2 Gauss points are as complete as 16 midpoints), so the same credits cost
-  fewer points; on a W+A path, whose loss jumps where an activation's rounding flips, neither
-  rule converges.
+  the trained ``xs`` GPT, 3 Gauss points are more complete than 16 midpoints), so the same
+  credits cost fewer points; on a W+A path, whose loss jumps where an activation's rounding
+  flips, or through MoE routing, which flips experts, neither rule converges.
 
 :func:`scoring_flops` gives XLA's flop count of one batch's scoring next to a float
 forward+backward of the same loss: the cost of a method without timing noise.
@@ -747,11 +747,10 @@ def scoring_flops(
         m = (1 + n_s * (n_c - 1)) * _flops(jax.jit(prog.logp_at), run.state, batch, key, sel)
     elif method == "gradient":
         m = _flops(prog.gradient, run.state, batch, key)
-    else:
-        m = 0.0
-        for j in range(1, n_c):
-            rqs = prog.weights(run.state, batch, key, j)
-            m += steps * _flops(prog.path, run.state, batch, key, np.float32(0.5), np.int32(j), rqs)
+    else:  # one program serves every candidate and point (the candidate is an argument)
+        rqs = jax.eval_shape(lambda st, b, k: prog.weights(st, b, k, 1), run.state, batch, key)
+        point = _flops(prog.path, run.state, batch, key, np.float32(0.5), np.int32(1), rqs)
+        m = (n_c - 1) * steps * point
     out = {"float": f, "method": m, "x_float": m / f}
     if method == "shapley":
         out["per_point"] = m / f / steps
