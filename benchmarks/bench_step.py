@@ -58,7 +58,7 @@ import numpy as np
 import optax
 
 import lowbit as lb
-from lowbit.dot_general import check_implementation
+from lowbit.implementation import validate
 
 try:  # imported as benchmarks.bench_step (tests, python -m)
     from benchmarks import common
@@ -399,7 +399,7 @@ def _implementation(value: str) -> str | None:
     if v.lower() in ("", "none", "default"):
         return None
     try:
-        return check_implementation(v, "--implementation")
+        return validate(v, "--implementation")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

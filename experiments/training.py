@@ -89,7 +89,7 @@ from experiments.configlib import ConfigError, to_dataclass, to_plain
 from experiments.model import GPT, GPTConfig
 from experiments.model import loss_fn as gpt_loss_fn
 from lowbit import autoquant
-from lowbit.dot_general import check_implementation
+from lowbit.implementation import validate
 
 __all__ = [
     "TrainConfig",
@@ -186,7 +186,7 @@ class QuantConfig:
             raise ValueError(f"quant.recipe: {e}") from None
         if self.recipe_version is None:
             object.__setattr__(self, "recipe_version", r.version)
-        check_implementation(self.implementation, "quant.implementation")
+        validate(self.implementation, "quant.implementation")
         if self.plan is not None:
             if not isinstance(self.plan, str | os.PathLike) or not str(self.plan):
                 raise ValueError(f"quant.plan: expected a plan file (a path) or None, got "

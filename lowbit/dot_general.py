@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import string
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -29,6 +29,7 @@ from jax import lax
 
 from lowbit import hadamard as _hadamard
 from lowbit import recipes as _recipes
+from lowbit.implementation import Implementation, kernel, resolve
 from lowbit.operand import (
     barrier,
     fold_key,
@@ -43,9 +44,6 @@ __all__ = [
     "einsum",
     "forward_operands",
     "einsum_operands",
-    "IMPLEMENTATIONS",
-    "check_implementation",
-    "resolve_implementation",
 ]
 
 # fold_in tags: one stream per (GEMM, operand) for rounding and one per GEMM for signs.
@@ -175,8 +173,9 @@ def _transpose_rhs(dy, lhs_op, dn, rhs_shape):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
-    """Static arguments of the custom VJP."""
+class _Call:
+    """What the custom VJP keeps static about one call: dimension numbers, recipe, dtypes,
+    shapes and the resolved implementation."""
 
     dn: tuple
     recipe: Recipe
@@ -185,50 +184,50 @@ class _Static:
     lhs_dtype: np.dtype
     rhs_shape: tuple[int, ...]
     rhs_dtype: np.dtype
-    implementation: str = "emulation"  # resolved: "emulation", "xla" or "pallas"
-    requested: str | None = None  # as the caller said it (explicit "pallas" warns on fallback)
+    impl: Implementation
 
     @property
     def native(self) -> bool:
         """Whether the emulation may use the compiled CPU kernel (not for "xla")."""
-        return self.implementation != "xla"
+        return self.impl.cpu_kernel
 
     @property
     def pallas(self) -> bool:
-        """Whether the GEMMs go through ``pallas_kernels.quantized_gemm``: asked for, and the
-        call is a plain ``x [..., K] @ w [K, N]`` (or ``w [N, K]``) with no batch dims, whose
-        flattened token axis keeps the emulation's blocks (a leading axis splits no block)."""
-        if self.implementation != "pallas":
-            return False
-        (lc, rc), (lb_, rb) = self.dn
-        nl = len(self.lhs_shape)
-        if lb_ or rb or lc != (nl - 1,) or len(self.rhs_shape) != 2 or rc not in ((0,), (1,)):
-            return False
-        return nl == 2 or self.lhs_shape[-2] % 256 == 0
+        """Whether the GEMMs go through the kernel op: asked for, and the call is one the
+        kernel takes (:func:`_kernel_constraint`)."""
+        return self.impl.gemm == "pallas" and _kernel_constraint(self) is None
 
 
-# The GEMM implementations outside lowbit, imported on first use: lowbit reaches
-# pallas_kernels only through this table (pallas_kernels imports lowbit's lower layers).
-_GEMM_TABLE = {"pallas": ("pallas_kernels.quantized_gemm", "quantized_gemm")}
+def _kernel_constraint(st: _Call) -> str | None:
+    """Why the kernel op cannot take this call (None if it can): it takes a plain
+    ``x [..., K] @ w [K, N]`` (or ``w [N, K]``) with no batch dims, whose flattened token axis
+    keeps the emulation's blocks (a leading axis splits no block: tokens a multiple of 256)."""
+    (lc, rc), (lb_, rb) = st.dn
+    nl = len(st.lhs_shape)
+    if lb_ or rb or lc != (nl - 1,) or len(st.rhs_shape) != 2 or rc not in ((0,), (1,)):
+        return (
+            f"dimension_numbers {st.dn} on lhs {st.lhs_shape} and rhs {st.rhs_shape}: the "
+            "kernels take a plain x [..., K] @ w [K, N] or w [N, K] with no batch dims"
+        )
+    if nl > 2 and st.lhs_shape[-2] % 256:
+        return (
+            f"lhs {st.lhs_shape}: with leading axes the token axis ({st.lhs_shape[-2]}) must "
+            "be a multiple of 256 so that flattening them splits no block"
+        )
+    return None
 
 
-def _gemm_op(name: str):
-    module, attr = _GEMM_TABLE[name]
-    return getattr(importlib.import_module(module), attr)
-
-
-def _gemm(a, b, gemm: GemmSpec, key, tag: int, signs, st: _Static):
+def _gemm(a, b, gemm: GemmSpec, key, tag: int, signs, st: _Call):
     """One 2-D GEMM ``a [M, K] @ b [K, N]`` of the recipe through the kernel op."""
     if not gemm.active:  # nothing to quantize or transform: the plain float32 GEMM
         return _dot(a.astype(jnp.float32), b.astype(jnp.float32), (((1,), (0,)), ((), ())))
-    quantized_gemm = _gemm_op("pallas")
-    return quantized_gemm(barrier(a.astype(jnp.float32)), barrier(b.astype(jnp.float32)),
+    return kernel("pallas")(barrier(a.astype(jnp.float32)), barrier(b.astype(jnp.float32)),
                           gemm.lhs, gemm.rhs, fold_key(key, tag, 0), fold_key(key, tag, 1),
                           hadamard=gemm.hadamard or None, signs=signs,
-                          implementation=st.requested)
+                          implementation=st.impl)
 
 
-def _pallas_fwd(lhs, rhs, st: _Static, key):
+def _pallas_fwd(lhs, rhs, st: _Call, key):
     g, rc = st.recipe.fwd, st.dn[0][1][0]
     k = lhs.shape[-1]
     y = _gemm(lhs.reshape(-1, k), rhs if rc == 0 else rhs.T, g, key, _FWD,
@@ -236,7 +235,7 @@ def _pallas_fwd(lhs, rhs, st: _Static, key):
     return y.reshape(*lhs.shape[:-1], y.shape[-1])
 
 
-def _pallas_bwd(lhs, rhs, dy, st: _Static, key):
+def _pallas_bwd(lhs, rhs, dy, st: _Call, key):
     """dlhs = dy . w^T and drhs = x^T . dy as [M, N] x [N, K] and [K, M] x [M, N] GEMMs."""
     recipe, rc = st.recipe, st.dn[0][1][0]
     dl, dr = recipe.dlhs, recipe.drhs
@@ -253,7 +252,7 @@ def _pallas_bwd(lhs, rhs, dy, st: _Static, key):
     return dlhs.reshape(lhs.shape), (drhs if rc == 0 else drhs.T)
 
 
-def _pallas_bwd_through_forward(lhs, rhs, dy, st: _Static, key):
+def _pallas_bwd_through_forward(lhs, rhs, dy, st: _Call, key):
     """:func:`_pallas_bwd` for a backward through the forward's quantizers: the forward's
     operands and trust masks from the emulation, the two backward GEMMs through the kernels
     (on the forward-quantized operands in its basis when ``backward_operands="forward"``),
@@ -279,7 +278,7 @@ def _pallas_bwd_through_forward(lhs, rhs, dy, st: _Static, key):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _qdot(lhs, rhs, key, st: _Static):
+def _qdot(lhs, rhs, key, st: _Call):
     if st.pallas:
         return _pallas_fwd(lhs, rhs, st, key).astype(st.out_dtype)
     dims = _Dims.of(st.dn, lhs.ndim, rhs.ndim)
@@ -287,7 +286,7 @@ def _qdot(lhs, rhs, key, st: _Static):
     return _dot(lq, rq, st.dn).astype(st.out_dtype)
 
 
-def _qdot_fwd(lhs, rhs, key, st: _Static):
+def _qdot_fwd(lhs, rhs, key, st: _Call):
     recipe = st.recipe
     if st.pallas:  # the backward quantizes again from the high-precision operands
         return _pallas_fwd(lhs, rhs, st, key).astype(st.out_dtype), (None, lhs, rhs, key)
@@ -326,7 +325,7 @@ def _bwd_static_operands(lhs, rhs, lq, rq, fwd_signs, dims: _Dims, recipe: Recip
     return w_dl, x_dr, s_dl, s_dr
 
 
-def _qdot_bwd(st: _Static, res, dy):
+def _qdot_bwd(st: _Call, res, dy):
     saved, lhs, rhs, key = res
     recipe, dn = st.recipe, st.dn
     if st.pallas:
@@ -377,39 +376,6 @@ def _qdot_bwd(st: _Static, res, dy):
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)
 
 
-IMPLEMENTATIONS = (None, "xla", "pallas")
-"""The values of every ``implementation=`` argument, from here up to the experiment configs."""
-
-
-def check_implementation(implementation, name: str = "implementation"):
-    """``implementation`` if it is one of :data:`IMPLEMENTATIONS`, else a ValueError."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"{name} must be one of {IMPLEMENTATIONS} (None: the best available for the "
-            f"backend), got {implementation!r}"
-        )
-    return implementation
-
-
-def resolve_implementation(implementation: str | None, backend: str | None = None) -> str:
-    """What ``implementation=`` means when a GEMM is traced: ``"emulation"``, ``"xla"`` or
-    ``"pallas"``.
-
-    - ``"xla"``: the XLA emulation in pure XLA (every quantizer in XLA ops): the reference.
-    - ``"pallas"``: plain ``x @ w`` GEMMs through ``pallas_kernels.quantized_gemm`` (Pallas
-      kernels when lowered for CUDA, the emulation elsewhere); others through the emulation.
-    - None, the best available for ``backend`` (default: JAX's): on a GPU ``"pallas"``; on
-      CPU (and other backends) ``"emulation"``: the XLA emulation whose quantizers run on the
-      compiled CPU kernel where ``lowbit.native`` is active (bit-identical to ``"xla"``, except
-      that its fused Hadamard transform follows the butterfly's arithmetic).
-    """
-    check_implementation(implementation)
-    if implementation is not None:
-        return implementation
-    backend = jax.default_backend() if backend is None else backend
-    return "pallas" if backend == "gpu" else "emulation"
-
-
 def _key_data(key, r: Recipe):
     """``key`` as uint32[2] key data (None stays None, unless the forward needs one)."""
     if key is not None:
@@ -453,14 +419,14 @@ def forward_operands(
     True
     """
     r = _recipes.get(recipe)
-    impl = resolve_implementation(implementation)
+    impl = resolve(implementation)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     dn = _normalize_dn(dimension_numbers, lhs.ndim, rhs.ndim)
     if not r.fwd.active:
         return lhs, rhs
     key = _key_data(key, r)
     dims = _Dims.of(dn, lhs.ndim, rhs.ndim)
-    lq, rq, signs = _fwd_operands(lhs, rhs, dims, r, key, impl != "xla")
+    lq, rq, signs = _fwd_operands(lhs, rhs, dims, r, key, impl.cpu_kernel)
     return (
         _effective(lq, r.fwd, _last(dims.lhs_contract), signs),
         _effective(rq, r.fwd, _last(dims.rhs_contract), signs),
@@ -490,14 +456,16 @@ def dot_general(
       preferred_element_type: output dtype (default: the operands' result type).
       precision: accepted for signature compatibility with ``lax.dot_general`` (Flax passes
         it); quantized GEMMs always accumulate in float32.
-      implementation: ``None`` (default: the best available for the backend), ``"xla"`` or
-        ``"pallas"`` (:data:`IMPLEMENTATIONS`, see :func:`resolve_implementation`).
+      implementation: ``None`` (default: the best available for the backend), ``"xla"``,
+        ``"pallas"``, or an :class:`~lowbit.implementation.Implementation` already resolved
+        (see :mod:`lowbit.implementation`).
         ``"xla"`` is the pure-XLA emulation, the reference. ``"pallas"``: the three GEMMs of
         a plain ``x [..., K] @ w`` go through ``pallas_kernels.quantized_gemm``, which lowers
         the Pallas kernels for CUDA and the emulation elsewhere (other dimension numbers, and
-        specs the kernels do not take, use the emulation). On CPU its values equal the
-        emulation's up to float32 summation order, except that stochastic rounding of a
-        transposed operand draws other (identically distributed) random bits.
+        specs the kernels do not take, use the emulation, with a warning that says why). On
+        CPU its values equal the emulation's up to float32 summation order, except that
+        stochastic rounding of a transposed operand draws other (identically distributed)
+        random bits.
 
     >>> import jax, jax.numpy as jnp, lowbit as lb
     >>> x, w = jnp.ones((4, 32)), jnp.ones((32, 8))
@@ -505,7 +473,7 @@ def dot_general(
     32.0
     """
     r = _recipes.get(recipe)
-    impl = resolve_implementation(implementation)
+    impl = resolve(implementation)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     for name, a in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
@@ -521,8 +489,10 @@ def dot_general(
             lhs, rhs, dn, precision=precision, preferred_element_type=preferred_element_type
         )
     key = _key_data(key, r)
-    st = _Static(dn, r, out_dtype, tuple(lhs.shape), lhs.dtype, tuple(rhs.shape), rhs.dtype,
-                 impl, implementation)
+    st = _Call(dn, r, out_dtype, tuple(lhs.shape), lhs.dtype, tuple(rhs.shape), rhs.dtype, impl)
+    if impl.gemm == "pallas" and impl.warns and (why := _kernel_constraint(st)) is not None:
+        warnings.warn(f"lowbit.dot_general: the XLA emulation instead of the kernels: {why}",
+                      stacklevel=2)
     return _qdot(lhs, rhs, key, st)
 
 

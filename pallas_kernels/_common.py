@@ -22,8 +22,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 
+from lowbit.implementation import resolve
+
 __all__ = [
-    "IMPLEMENTATIONS",
     "TRITON_CUSTOM_CALL_TARGETS",
     "export_for_cuda",
     "on_gpu",
@@ -35,8 +36,6 @@ __all__ = [
     "round_up",
     "time_fn",
 ]
-
-IMPLEMENTATIONS = (None, "xla", "pallas")
 
 # The custom-call target of a Pallas Triton kernel: "__gpu$xla.gpu.triton" on jax 0.10 and
 # later; "triton_kernel_call" on older releases. Disabling a check for a target that does not
@@ -60,14 +59,14 @@ def on_gpu() -> bool:
 def select_implementation(
     op: str, implementation: str | None, interpret: bool, unsupported: str | None
 ) -> str:
-    """``"xla"`` or ``"pallas"`` for a call of ``op``.
+    """``"xla"`` or ``"pallas"`` for a call of ``op`` (``implementation``: a value of
+    ``lowbit.implementation.IMPLEMENTATIONS`` or a resolved ``Implementation``).
 
     ``unsupported`` is None when the kernel can serve the call, else the reason it cannot.
     An explicit ``"pallas"`` that cannot run warns and falls back to ``"xla"``.
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation == "xla":
+    impl = resolve(implementation)
+    if impl.requested == "xla":
         return "xla"
     if unsupported is None and not (interpret or on_gpu()):
         unsupported = (
@@ -76,7 +75,7 @@ def select_implementation(
         )
     if unsupported is None:
         return "pallas"
-    if implementation == "pallas":
+    if impl.warns:
         warnings.warn(f"{op}: falling back to the XLA reference: {unsupported}", stacklevel=3)
     return "xla"
 

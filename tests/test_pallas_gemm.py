@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -337,9 +338,26 @@ def test_dot_general_pallas_falls_back_for_other_dimension_numbers():
     w = jax.random.normal(jax.random.key(1), (2, 128, 32))
     dn = (((2,), (1,)), ((0,), (0,)))  # batched: not a plain x @ w, so the emulation
     f = lambda impl: lb.dot_general(x, w, dn, recipe="mxfp4", implementation=impl)  # noqa: E731
-    np.testing.assert_array_equal(np.asarray(f("pallas")), np.asarray(f("xla")))
+    with pytest.warns(UserWarning, match=r"emulation instead of the kernels.*no batch dims"):
+        y = f("pallas")
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(f("xla")))
     with pytest.raises(ValueError, match="implementation"):
         f("triton")
+
+
+@cpu_only
+def test_dot_general_pallas_fallback_names_the_token_constraint():
+    """Leading axes whose token axis is no multiple of 256 would split blocks when flattened:
+    an explicit "pallas" says so; None (the best available) falls back without a word."""
+    x = jax.random.normal(jax.random.key(0), (2, 96, 64))
+    w = jax.random.normal(jax.random.key(1), (64, 32))
+    dn = (((2,), (0,)), ((), ()))
+    with pytest.warns(UserWarning, match=r"token axis \(96\) must be a multiple of 256"):
+        y = lb.dot_general(x, w, dn, recipe="mxfp4", implementation="pallas")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ref = lb.dot_general(x, w, dn, recipe="mxfp4", implementation=None)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
 
 
 def test_dot_general_pallas_lowers_the_kernels_for_cuda():

@@ -35,7 +35,6 @@ hold it as a static attribute); :func:`describe` shows it per site.
 
 from __future__ import annotations
 
-from lowbit.dot_general import IMPLEMENTATIONS, check_implementation
 from lowbit.flax import checkpoint, linen, nnx
 from lowbit.flax._core import (
     ATTN_SCORES,
@@ -57,6 +56,7 @@ from lowbit.flax._core import (
 )
 from lowbit.flax.checkpoint import CheckpointError, restore, save
 from lowbit.flax.packing import Row, describe, pack, packed_nbytes, sites, unpack
+from lowbit.implementation import IMPLEMENTATIONS, validate
 
 __all__ = [
     "quantize",
@@ -136,7 +136,7 @@ def quantize(
     (4, 8)
     """
     fw = framework(model)
-    check_implementation(implementation)
+    validate(implementation)
     if fw == "nnx":
         return nnx.quantize(
             model, rules, rngs=rngs, packed=packed, implementation=implementation, observe=observe

@@ -30,9 +30,9 @@ import jax.numpy as jnp
 from flax.linen import module as _module
 
 from lowbit import recipes as _recipes
-from lowbit.dot_general import check_implementation
 from lowbit.flax import _core
 from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Recipe, Rules
+from lowbit.implementation import validate
 
 __all__ = ["DotGeneral", "Einsum", "Quantized", "intercept", "quantize", "sites"]
 
@@ -91,7 +91,7 @@ class DotGeneral:
 
     def __post_init__(self):
         object.__setattr__(self, "recipe", _recipes.get(self.recipe))
-        check_implementation(self.implementation)
+        validate(self.implementation)
 
     def __call__(
         self,
@@ -144,7 +144,7 @@ class Einsum:
 
     def __post_init__(self):
         object.__setattr__(self, "recipe", _recipes.get(self.recipe))
-        check_implementation(self.implementation)
+        validate(self.implementation)
 
     def __call__(self, subscripts, lhs, rhs, precision=None, preferred_element_type=None, **kwargs):
         rec = _RECORDER.get()
@@ -334,7 +334,7 @@ def intercept(
     >>> bool(jnp.all(y == model.apply(v, x)))
     False
     """
-    impl = check_implementation(implementation)
+    impl = validate(implementation)
     interceptor = _Interceptor(Rules.of(rules), packed, tuple(root), impl, observe)
     with nn.intercept_methods(interceptor):
         yield
@@ -362,7 +362,7 @@ class Quantized(nn.Module):
     observe: bool = False  # lowbit.ptq.calibrate: float GEMMs whose activations are observed
 
     def __post_init__(self):
-        check_implementation(self.implementation)
+        validate(self.implementation)
         super().__post_init__()
 
     def setup(self):
@@ -411,7 +411,7 @@ def quantize(
     """See :func:`lowbit.flax.quantize`."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a flax.linen Module, got {type(module).__name__}")
-    impl = check_implementation(implementation)
+    impl = validate(implementation)
     if module.scope is not None:
         module = module.clone(parent=None)
     return Quantized(
@@ -437,7 +437,7 @@ def sites(
     recipe None, when they are Dense / DenseGeneral / Einsum / attention modules;
     ``implementation`` is recorded on those a rule quantizes."""
     rules = Rules.of(rules)
-    check_implementation(implementation)
+    validate(implementation)
     if not args and not kwargs:
         raise TypeError(
             "a Linen module creates its submodules when called: pass example inputs "

@@ -23,9 +23,9 @@ from flax.linen import attention as _linen_attention
 from flax.nnx.nn import dtypes as _dtypes
 
 from lowbit import recipes as _recipes
-from lowbit.dot_general import check_implementation
 from lowbit.flax import _core
 from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Recipe, Rules
+from lowbit.implementation import validate
 
 __all__ = ["DotGeneral", "Einsum", "Attention", "PackedModel", "quantize", "sites"]
 
@@ -84,7 +84,7 @@ class DotGeneral(nnx.Module):
         lowrank=None,
     ):
         self.recipe = _recipes.get(recipe)
-        self.implementation = check_implementation(implementation)
+        self.implementation = validate(implementation)
         self.site = site
         self.stream = nnx.data(_stream(rngs, (self.recipe,), f"DotGeneral({self.recipe.name!r})"))
         self.smooth = nnx.Param(jnp.asarray(smooth, jnp.float32)) if smooth is not None else None
@@ -142,7 +142,7 @@ class Einsum(nnx.Module):
         site: str | None = None,
     ):
         self.recipe = _recipes.get(recipe)
-        self.implementation = check_implementation(implementation)
+        self.implementation = validate(implementation)
         self.site = site
         self.stream = nnx.data(_stream(rngs, (self.recipe,), f"Einsum({self.recipe.name!r})"))
 
@@ -188,7 +188,7 @@ class Attention(nnx.Module):
     ):
         self.scores = _recipes.get(scores)
         self.values = _recipes.get(values)
-        self.implementation = check_implementation(implementation)
+        self.implementation = validate(implementation)
         where = f"Attention({self.scores.name!r}, {self.values.name!r})"
         self.stream = nnx.data(_stream(rngs, (self.scores, self.values), where))
 
@@ -272,7 +272,7 @@ def sites(model: nnx.Module, rules, *, implementation: str | None = None) -> lis
     """The quantizable sites of an NNX model (no tracing: read from the module graph);
     ``implementation`` is recorded on the sites that a rule quantizes."""
     rules = Rules.of(rules)
-    check_implementation(implementation)
+    validate(implementation)
 
     def site(path, kind, name, *rest):
         impl = implementation if rules.active(path) is not None else None
@@ -317,7 +317,7 @@ def quantize(
     ``packed=True`` builds the serving structure :class:`PackedModel` uses: its weights must
     then be ``unpack(pack(...))``; with float weights they would enter unquantized."""
     rules = Rules.of(rules)
-    impl = check_implementation(implementation)
+    impl = validate(implementation)
     new = nnx.clone(model)
     plan: list[tuple[Any, str, Any]] = []
     for path, m in nnx.iter_modules(new):
@@ -406,7 +406,7 @@ class PackedModel(nnx.Module):
     ):
         from lowbit.flax.packing import pack
 
-        check_implementation(implementation)
+        validate(implementation)
         if rules is None:  # ``model`` is the serving structure itself (lowbit.ptq builds it)
             if packed is None:
                 raise TypeError("PackedModel(serving_model, None, packed): packed is required")

@@ -11,9 +11,9 @@ import jax
 import numpy as np
 
 import lowbit as lb
-from lowbit.dot_general import check_implementation, resolve_implementation
 from lowbit.flax import _core
 from lowbit.flax._core import Layout, Rules, Site
+from lowbit.implementation import resolve, validate
 
 
 def sites(model, rules, *args, implementation: str | None = None, **kwargs) -> list[Site]:
@@ -203,7 +203,7 @@ def describe(
     4680
     """
     rules = Rules.of(rules)
-    check_implementation(implementation)
+    validate(implementation)
     fw = _core.framework(model)
     if fw == "nnx":
         from flax import nnx
@@ -273,7 +273,7 @@ def format_rows(
     if any(row[4] == "auto" for row in table[1:]):
         lines.append(
             f"impl auto: the best available for the backend "
-            f"({resolve_implementation(None)!r} on {jax.default_backend()})"
+            f"({resolve(None).label!r} on {jax.default_backend()})"
         )
     if rules is not None and site_list is not None:
         unused = [

@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from lowbit.implementation import Implementation, resolve
 from lowbit.recipes import QuantSpec
-from pallas_kernels._common import IMPLEMENTATIONS
 from pallas_kernels.quantized_gemm.kernel import kernel_supports, quantized_gemm_pallas
 from pallas_kernels.quantized_gemm.reference import quantized_gemm_reference
 
@@ -76,7 +76,7 @@ def quantized_gemm(
     *,
     hadamard: int | None = None,
     signs: jax.Array | None = None,
-    implementation: str | None = None,
+    implementation: str | None | Implementation = None,
     interpret: bool = False,
 ) -> jax.Array:
     """float32 ``[M, N]``: ``a [M, K]`` and ``b [K, N]`` quantized along K, multiplied.
@@ -90,15 +90,13 @@ def quantized_gemm(
         (ignored for a spec that rounds to nearest).
       hadamard: block size of a Hadamard transform along K applied to both operands first
         (``GemmSpec.hadamard``), or None; ``signs``: its float32 ``[hadamard]`` +-1 signs.
-      implementation: ``"xla"``, ``"pallas"`` or None (module docstring).
+      implementation: ``"xla"``, ``"pallas"``, None (module docstring), or the
+        ``lowbit.implementation.Implementation`` they resolve to.
       interpret: run the kernel path in Pallas interpret mode on any platform (testing).
         Specs that :func:`kernel_supports` rejects run the emulation either way (with
         ``interpret=True`` or ``implementation="pallas"``, with a warning).
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
-        )
+    impl = resolve(implementation)
     a, b = jnp.asarray(a), jnp.asarray(b)
     for name, x in (("a", a), ("b", b)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -120,7 +118,7 @@ def quantized_gemm(
     if ok and 0 in a.shape + b.shape:
         ok, reason = False, f"an empty GEMM ({a.shape} x {b.shape})"
     common = dict(spec_a=spec_a, spec_b=spec_b, hadamard=hadamard)
-    if implementation == "xla" and not interpret:
+    if impl.requested == "xla" and not interpret:
         return quantized_gemm_reference(a, b, spec_a, spec_b, key_a, key_b, hadamard=hadamard,
                                         signs=signs, native=False)
 
@@ -129,7 +127,7 @@ def quantized_gemm(
                                         signs=signs)
 
     if not ok:
-        if interpret or implementation == "pallas":
+        if interpret or impl.warns:
             warnings.warn(
                 f"quantized_gemm: the XLA emulation instead of the kernels: {reason}",
                 stacklevel=2,
