@@ -122,7 +122,7 @@ def _operand_fn(
     """A compiled operand quantizer (``qarray.fake_quantize_with_plan``), with a Hadamard
     transform of block ``hadamard`` (random signs, an argument) in front when not None."""
     kd = jax.random.key_data(key) if rounding == "stochastic" else None
-    plan = qarray.make_plan(x.shape, fmt, axis, block_shape, None, rounding, kd, None, gain=gain)
+    plan = qarray.make_plan(x.shape, fmt, axis, block_shape, None, rounding, kd, None, gain)
     signs = None if hadamard is None else lb.hadamard.random_signs(jax.random.key(2), hadamard)
 
     def fq(x, signs):

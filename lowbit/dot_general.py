@@ -150,7 +150,7 @@ def _through_forward(g, mask, gemm: GemmSpec, axis, signs, rotated: bool):
     return g
 
 
-def _effective(xq, gemm: GemmSpec, axis, signs):
+def _unrotated(xq, gemm: GemmSpec, axis, signs):
     """A forward operand in the original basis (undo the forward Hadamard)."""
     if not gemm.hadamard or axis is None:
         return xq
@@ -224,7 +224,7 @@ def _gemm(a, b, gemm: GemmSpec, key, tag: int, signs, st: _Call):
     return kernel("pallas")(barrier(a.astype(jnp.float32)), barrier(b.astype(jnp.float32)),
                           gemm.lhs, gemm.rhs, fold_key(key, tag, 0), fold_key(key, tag, 1),
                           hadamard=gemm.hadamard or None, signs=signs,
-                          implementation=st.impl)
+                          implementation=st.impl, interpret=st.impl.interpret)
 
 
 def _pallas_fwd(lhs, rhs, st: _Call, key):
@@ -245,9 +245,9 @@ def _pallas_bwd(lhs, rhs, dy, st: _Call, key):
         dims = _Dims.of(st.dn, lhs.ndim, rhs.ndim)
         lq, rq, fwd_signs = _fwd_operands(lhs, rhs, dims, recipe, key, st.native)
     s_dl, s_dr = gemm_signs(dl, key, _DLHS), gemm_signs(dr, key, _DRHS)
-    w = rhs if dl.rhs is not None else _effective(rq, recipe.fwd, rc, fwd_signs)
+    w = rhs if dl.rhs is not None else _unrotated(rq, recipe.fwd, rc, fwd_signs)
     dlhs = _gemm(dy.reshape(-1, n), w.T if rc == 0 else w, dl, key, _DLHS, s_dl, st)
-    x = lhs if dr.lhs is not None else _effective(lq, recipe.fwd, lhs.ndim - 1, fwd_signs)
+    x = lhs if dr.lhs is not None else _unrotated(lq, recipe.fwd, lhs.ndim - 1, fwd_signs)
     drhs = _gemm(x.reshape(-1, k).T, dy.reshape(-1, n), dr, key, _DRHS, s_dr, st)
     return dlhs.reshape(lhs.shape), (drhs if rc == 0 else drhs.T)
 
@@ -311,13 +311,13 @@ def _bwd_static_operands(lhs, rhs, lq, rq, fwd_signs, dims: _Dims, recipe: Recip
     r_axis, r_other = _last(dims.rhs_free), _last(dims.rhs_contract)
     l_axis, l_other = _last(dims.lhs_free), _last(dims.lhs_contract)
     if dl.rhs is None:  # straight-through: the forward's operand, original basis
-        w = _effective(rq, recipe.fwd, _last(dims.rhs_contract), fwd_signs)
+        w = _unrotated(rq, recipe.fwd, _last(dims.rhs_contract), fwd_signs)
         w_dl = _prepare(w, None, dl, r_axis, r_other, None, s_dl, False, native=native)
     else:
         w_dl = _prepare(rhs, dl.rhs, dl, r_axis, r_other, fold_key(key, _DLHS, 1), s_dl, True,
                         packed, native=native)
     if dr.lhs is None:
-        x = _effective(lq, recipe.fwd, _last(dims.lhs_contract), fwd_signs)
+        x = _unrotated(lq, recipe.fwd, _last(dims.lhs_contract), fwd_signs)
         x_dr = _prepare(x, None, dr, l_axis, l_other, None, s_dr, False, native=native)
     else:
         x_dr = _prepare(lhs, dr.lhs, dr, l_axis, l_other, fold_key(key, _DRHS, 0), s_dr, True,
@@ -428,8 +428,8 @@ def forward_operands(
     dims = _Dims.of(dn, lhs.ndim, rhs.ndim)
     lq, rq, signs = _fwd_operands(lhs, rhs, dims, r, key, impl.cpu_kernel)
     return (
-        _effective(lq, r.fwd, _last(dims.lhs_contract), signs),
-        _effective(rq, r.fwd, _last(dims.rhs_contract), signs),
+        _unrotated(lq, r.fwd, _last(dims.lhs_contract), signs),
+        _unrotated(rq, r.fwd, _last(dims.rhs_contract), signs),
     )
 
 

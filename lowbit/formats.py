@@ -189,9 +189,15 @@ class BlockFormat:
         return self.scale.name == "e8m0"
 
     @property
-    def is_nv(self) -> bool:
-        """NVFP4's scaling: an unsigned-E4M3 scale per block and a float32 tensor scale."""
+    def is_e4m3_scaled(self) -> bool:
+        """NVFP4's scaling: an unsigned-E4M3 scale per block and a float32 tensor scale (the
+        scaling of NVFP4 and of INT4)."""
         return self.scale.name == "ue4m3"
+
+    @property
+    def is_nvfp4(self) -> bool:
+        """NVFP4 itself: E2M1 elements under NVFP4's scaling."""
+        return self.is_e4m3_scaled and self.elem.name == "e2m1"
 
     @property
     def is_absmean(self) -> bool:

@@ -31,7 +31,7 @@ quantizers; whether it does is ``lowbit.native``'s process policy (``LOWBIT_NATI
 
 >>> from lowbit.implementation import resolve
 >>> resolve("xla")
-Implementation(requested='xla', gemm='xla', cpu_kernel=False)
+Implementation(requested='xla', gemm='xla', cpu_kernel=False, interpret=False)
 >>> resolve(None, backend="cpu").label, resolve(None, backend="gpu").label
 ('emulation', 'pallas')
 >>> resolve(resolve("pallas")) == resolve("pallas")
@@ -65,11 +65,14 @@ class Implementation:
       gemm: ``"xla"`` (the XLA emulation) or ``"pallas"`` (the kernels of :data:`KERNELS`
         where they can take the GEMM, the emulation elsewhere).
       cpu_kernel: whether the emulation's quantizers may run on the compiled CPU kernel.
+      interpret: with ``gemm="pallas"``, run the kernels in Pallas interpret mode on every
+        platform instead of lowering them for CUDA only (testing them on a CPU).
     """
 
     requested: str | None
     gemm: str
     cpu_kernel: bool
+    interpret: bool = False
 
     @property
     def label(self) -> str:
@@ -102,17 +105,29 @@ def resolve(
     implementation: str | None | Implementation = None,
     *,
     backend: str | None = None,
+    interpret: bool = False,
     name: str = "implementation",
 ) -> Implementation:
     """The :class:`Implementation` that ``implementation`` asks for on ``backend`` (default:
     JAX's default backend); an :class:`Implementation` comes back unchanged. ``name`` is
-    the argument's name in the error for a value outside :data:`IMPLEMENTATIONS`."""
+    the argument's name in the error for a value outside :data:`IMPLEMENTATIONS`.
+    ``interpret=True`` (with ``"pallas"`` only): the kernels in Pallas interpret mode on any
+    platform, for tests on a CPU.
+
+    >>> resolve("pallas", interpret=True).interpret
+    True
+    """
     if isinstance(implementation, Implementation):
         return implementation
-    if validate(implementation, name) == "xla":
+    if validate(implementation, name) != "pallas" and interpret:
+        raise ValueError(
+            f"interpret=True runs the Pallas kernels in interpret mode: it needs "
+            f"{name}='pallas', got {implementation!r}"
+        )
+    if implementation == "xla":
         return Implementation("xla", "xla", cpu_kernel=False)
     if implementation == "pallas":
-        return Implementation("pallas", "pallas", cpu_kernel=True)
+        return Implementation("pallas", "pallas", cpu_kernel=True, interpret=bool(interpret))
     backend = jax.default_backend() if backend is None else backend
     return Implementation(None, "pallas" if backend == "gpu" else "xla", cpu_kernel=True)
 

@@ -87,6 +87,7 @@ __all__ = [
     "MODES",
     "NativeBuildError",
     "available",
+    "plan_attributes",
     "active",
     "build",
     "library_path",
@@ -309,11 +310,11 @@ def kernel_format(fmt) -> bool:
     """Whether the kernel computes this block format: the MX formats and NVFP4. INT4 and
     ternary run in the XLA path (the kernel's NVFP4 factors divide by E2M1's 6, and it has no
     absmean scale)."""
-    return fmt.is_mx or (fmt.is_nv and fmt.elem.name == "e2m1")
+    return fmt.is_mx or fmt.is_nvfp4
 
 
 def supports(plan, hadamard: int | None = None) -> bool:
-    """Whether the kernel handles this quantization plan (``qarray.Plan``), with a fused
+    """Whether the kernel handles this quantization plan (``lowbit.plan.Plan``), with a fused
     Hadamard transform of block ``hadamard`` along the plan's axis when that is not None.
 
     1-D blocks along any axis and 2-D tiles over any two axes; a Hadamard block only with
@@ -343,7 +344,7 @@ def fake_quantize(
 ) -> jax.Array:
     """``xla_fn(x)`` on every platform but CPU, where the kernel computes the same values.
 
-    ``x`` is the caller's array (any float dtype), ``plan`` a ``qarray.Plan`` for which
+    ``x`` is the caller's array (any float dtype), ``plan`` a ``lowbit.plan.Plan`` for which
     :func:`supports` holds, ``key`` uint32[2] key data (stochastic plans), ``tensor_amax``
     NVFP4's calibrated amax or None. ``hadamard`` (a block size) and ``signs`` (float32
     ``[hadamard]`` of +-1, or None): transform along the plan's axis first, as
@@ -396,6 +397,25 @@ def _geometry(plan) -> dict[str, np.int64]:
     return {k: np.int64(v) for k, v in dims.items()}
 
 
+def plan_attributes(plan) -> dict[str, np.generic]:
+    """The kernel's static FFI attributes, all derived from ``plan`` (a ``lowbit.plan.Plan``):
+    the element grid, the scale rule, the prescale, the rounding and the geometry. A new
+    quantizer option of the plan reaches the kernel here and nowhere else."""
+    fmt, elem = plan.fmt, plan.fmt.elem
+    kind = "nvfp4" if fmt.tensor_scale else ("mx_int" if elem.is_int else "mx_float")
+    return {
+        "kind": np.int32(_KINDS[kind]),
+        "scale_mode": np.int32(_SCALE_MODES.get(plan.scale_mode, 0)),
+        "mbits": np.int32(elem.mbits),
+        "emin": np.int32(elem.emin),
+        "emax": np.int32(elem.emax),
+        "max": np.float32(elem.max),
+        "prescale": np.float32(plan.prescale),
+        "stochastic": np.int32(plan.stochastic),
+        **_geometry(plan),
+    }
+
+
 def _call(x, key, tensor_amax, plan, hadamard, signs) -> jax.Array:
     if hadamard is not None and x.dtype != jnp.float32:
         # The XLA path rounds the transformed tensor to x's dtype before quantizing it:
@@ -404,7 +424,6 @@ def _call(x, key, tensor_amax, plan, hadamard, signs) -> jax.Array:
             x, hadamard, signs=signs, axis=plan.axes[0], method="butterfly"
         )
         hadamard = signs = None
-    fmt, elem = plan.fmt, plan.fmt.elem
     xf = x.astype(jnp.float32)
     if plan.stochastic:
         words = jnp.stack(key_words(key))
@@ -415,7 +434,6 @@ def _call(x, key, tensor_amax, plan, hadamard, signs) -> jax.Array:
     has_signs = hadamard is not None and signs is not None
     signs_in = jnp.asarray(signs, jnp.float32) if has_signs else jnp.zeros((1,), jnp.float32)
     scale = np.float32(1.0 / math.sqrt(hadamard)) if hadamard else np.float32(1.0)
-    kind = "nvfp4" if fmt.tensor_scale else ("mx_int" if elem.is_int else "mx_float")
     call = jax.ffi.ffi_call(
         TARGET, jax.ShapeDtypeStruct(xf.shape, jnp.float32), vmap_method="broadcast_all"
     )
@@ -424,16 +442,8 @@ def _call(x, key, tensor_amax, plan, hadamard, signs) -> jax.Array:
         words,
         tamax,
         signs_in,
-        kind=np.int32(_KINDS[kind]),
-        scale_mode=np.int32(_SCALE_MODES.get(plan.scale_mode, 0)),
-        mbits=np.int32(elem.mbits),
-        emin=np.int32(elem.emin),
-        emax=np.int32(elem.emax),
-        max=np.float32(elem.max),
-        gain=np.float32(plan.gain),
-        stochastic=np.int32(plan.stochastic),
+        **plan_attributes(plan),
         has_tensor_amax=np.int32(has_tamax),
-        **_geometry(plan),
         hadamard=np.int32(hadamard or 0),
         has_signs=np.int32(has_signs),
         hadamard_scale=scale,

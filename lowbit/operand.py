@@ -25,10 +25,12 @@ from lowbit import formats as _formats
 from lowbit import hadamard as _hadamard
 from lowbit import qarray as _qa
 from lowbit.numerics import exponent, ieee_div, materialize, pow2, round_to_grid, uniform_bits
+from lowbit.plan import Plan, make_plan
 from lowbit.recipes import GEMMS, GemmSpec, QuantSpec
 
 __all__ = [
     "quantize_operand",
+    "spec_plan",
     "unpack_operand",
     "prepare_operand",
     "hadamard_along",
@@ -188,9 +190,19 @@ def std_scaled_quantize(x, spec: QuantSpec, axis: int, key=None):
     if spec.prescale != 1.0:
         scaled = scaled * np.float32(spec.prescale)
     rbits = uniform_bits(key, scaled.shape) if spec.stochastic else None
-    q = _qa.ungain(round_to_grid(scaled, elem, rbits=rbits, saturate=True) * scale, spec.prescale)
+    q = round_to_grid(scaled, elem, rbits=rbits, saturate=True) * scale
+    q = _qa.undo_prescale(q, spec.prescale)
     back = lambda a: jnp.moveaxis(a.reshape(shape), -1, axis)  # noqa: E731
     return back(q), back(mask)
+
+
+def spec_plan(spec: QuantSpec, shape, axes, key, tensor_amax=None) -> Plan:
+    """The checked ``lowbit.plan.Plan`` of a block-granularity ``spec`` for an operand of ``shape``
+    quantized along ``axes`` (an axis, or the pair a 2-D tile spans): what the XLA path, the
+    compiled CPU kernel and the Pallas quantize kernel all take."""
+    return make_plan(shape, spec.format, axes, spec.block_shape, spec.scale_mode,
+                         spec.rounding, key if spec.stochastic else None, tensor_amax,
+                         prescale=spec.prescale)
 
 
 def quantize_operand(
@@ -242,7 +254,7 @@ def quantize_operand(
         v, scale = _scaled_quantize(x, spec, rounding_key, axis)
         if packed:
             return v.astype(_TENSOR_DTYPES[spec.format]), scale
-        return _qa.ungain(_scaled_values(v, scale, spec.format), spec.prescale)
+        return _qa.undo_prescale(_scaled_values(v, scale, spec.format), spec.prescale)
     if two_d:
         if other_axis is None:
             raise ValueError(
@@ -251,8 +263,7 @@ def quantize_operand(
         axes: int | tuple[int, int] = (axis, other_axis)
     else:
         axes = axis
-    plan = _qa.make_plan(x.shape, spec.format, axes, spec.block_shape, spec.scale_mode,
-                         spec.rounding, rounding_key, tensor_amax, gain=spec.prescale)
+    plan = spec_plan(spec, x.shape, axes, key, tensor_amax)
     if packed:
         return _qa.quantize_with_plan(x, plan, rounding_key, tensor_amax)
     if fuse:
@@ -270,7 +281,7 @@ def unpack_operand(packed, spec: QuantSpec | None) -> jax.Array:
         y = _scaled_values(*packed, spec.format)
     else:
         y = _qa.dequantize(packed, jnp.float32)
-    return _qa.ungain(y, spec.prescale)
+    return _qa.undo_prescale(y, spec.prescale)
 
 
 def prepare_operand(x, spec: QuantSpec | None, gemm: GemmSpec, axis, other_axis, key, signs,

@@ -41,6 +41,14 @@ from lowbit.numerics import (
     round_to_grid,
     uniform_bits,
 )
+from lowbit.plan import (  # the plan's home; re-exported here for qarray's callers
+    ROUNDINGS,
+    SCALE_MODES,
+    Plan,
+    check_prescale,
+    make_plan,
+    scale_mode_of,
+)
 
 __all__ = [
     "QArray",
@@ -55,17 +63,17 @@ __all__ = [
     # the Pallas kernels; not re-exported by ``lowbit``):
     "Plan",
     "make_plan",
+    "scale_mode_of",
+    "check_prescale",
     "quantize_with_plan",
     "fake_quantize_with_plan",
-    "ungain",
+    "undo_prescale",
     "mx_scale_exponent",
     "nvfp4_tensor_scale",
     "absmean_scales",
     "ABSMEAN_FLOOR",
 ]
 
-SCALE_MODES = ("floor", "ceil", "even", "rceil")
-ROUNDINGS = ("nearest", "stochastic")
 E8M0_NAN = 0xFF
 UE4M3_NAN = 0x7F
 
@@ -222,83 +230,6 @@ def _unpack(packed: jax.Array, elem: ElementFormat) -> jax.Array:
 
 # --------------------------------------------------------------------------------------------
 # Argument checking and layout
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Static description of how a tensor is blocked."""
-
-    fmt: BlockFormat
-    shape: tuple[int, ...]
-    axes: tuple[int, ...]  # quantized axes, non-negative, block order
-    block_shape: tuple[int, ...]
-    perm: tuple[int, ...]  # moves ``axes`` to the end
-    padded: tuple[int, ...]  # padded extent of each quantized axis
-    scale_mode: str
-    stochastic: bool
-    gain: float = 1.0  # elements multiplied by this after scaling, values divided after
-
-    @property
-    def padded_shape(self) -> tuple[int, ...]:
-        """The tensor's shape with each quantized axis zero-padded to a block multiple."""
-        pad = dict(zip(self.axes, self.padded, strict=True))
-        return tuple(pad.get(i, d) for i, d in enumerate(self.shape))
-
-    @property
-    def blocked_shape(self) -> tuple[int, ...]:
-        """The padded shape with each quantized axis split in place into (blocks, block):
-        blocks are formed where they lie, with no transpose."""
-        blk = dict(zip(self.axes, self.block_shape, strict=True))
-        dims: tuple[int, ...] = ()
-        for i, d in enumerate(self.padded_shape):
-            dims += (d // blk[i], blk[i]) if i in blk else (d,)
-        return dims
-
-    @property
-    def block_axes(self) -> tuple[int, ...]:
-        """Positions of the in-block dims in :attr:`blocked_shape`."""
-        out, pos = [], 0
-        for i in range(len(self.shape)):
-            if i in self.axes:
-                out.append(pos + 1)
-                pos += 2
-            else:
-                pos += 1
-        return tuple(out)
-
-    @property
-    def moves_axes(self) -> bool:
-        return self.perm != tuple(range(len(self.shape)))
-
-
-def _normalize_axes(axis, ndim: int, nblock: int) -> tuple[int, ...]:
-    if isinstance(axis, (int, np.integer)):
-        axis = int(axis)
-        if nblock == 2:
-            if axis not in (-1, ndim - 1):
-                raise ValueError(
-                    f"a 2-D block_shape needs axis=(a0, a1) naming the two tiled axes, got "
-                    f"axis={axis}; the default tiles the last two axes"
-                )
-            axes: tuple[int, ...] = (-2, -1)
-        else:
-            axes = (axis,)
-    else:
-        axes = tuple(int(a) for a in axis)
-    if len(axes) != nblock:
-        raise ValueError(
-            f"axis={axis} names {len(axes)} axes but block_shape has {nblock} entries"
-        )
-    out = []
-    for a in axes:
-        if not -ndim <= a < ndim:
-            raise ValueError(f"axis {a} is out of range for an array of rank {ndim}")
-        out.append(a % ndim)
-    if len(set(out)) != len(out):
-        raise ValueError(f"axis={axis} repeats an axis")
-    return tuple(out)
-
-
 def _check_input(x, name: str = "x") -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -308,78 +239,6 @@ def _check_input(x, name: str = "x") -> jax.Array:
     if x.ndim == 0:
         raise ValueError(f"{name} must have at least one dimension, got a scalar")
     return x
-
-
-def make_plan(
-    shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax, gain: float = 1.0
-) -> Plan:
-    fmt = _formats.get(fmt)
-    ndim = len(shape)
-    if block_shape is None:
-        block_shape = (fmt.block_size,)
-    if isinstance(block_shape, (int, np.integer)):
-        block_shape = (int(block_shape),)
-    block_shape = tuple(int(b) for b in block_shape)
-    if len(block_shape) not in (1, 2) or any(b < 1 for b in block_shape):
-        raise ValueError(
-            f"block_shape must be None, (b,) or (b0, b1) with positive entries, got {block_shape}"
-        )
-    if len(block_shape) > ndim:
-        raise ValueError(
-            f"block_shape={block_shape} is a {len(block_shape)}-D tile but x has rank {ndim}"
-        )
-    n_pack, _ = fmt.elem.pack_group
-    if block_shape[-1] % n_pack:
-        raise ValueError(
-            f"block_shape={block_shape}: the last block extent must be a multiple of {n_pack} "
-            f"to pack {fmt.name} codes into bytes ({n_pack} codes per packing group)"
-        )
-    axes = _normalize_axes(axis, ndim, len(block_shape))
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    stochastic = rounding == "stochastic"
-    if stochastic and key is None:
-        raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
-    if fmt.is_absmean:
-        if scale_mode not in (None, "absmean"):
-            raise ValueError(
-                f"scale_mode={scale_mode!r} does not apply to {fmt.name}: its one scale is the "
-                "tensor's mean |x|"
-            )
-        if tensor_amax is not None:
-            raise ValueError(
-                f"tensor_amax applies to amax-scaled tensor scales (NVFP4, INT4), not to "
-                f"{fmt.name}, whose scale is the tensor's mean |x|"
-            )
-        scale_mode = "absmean"
-    elif fmt.tensor_scale:
-        if scale_mode not in (None, "nvfp4"):
-            raise ValueError(
-                f"scale_mode={scale_mode!r} does not apply to {fmt.name}: its block scales are "
-                "E4M3 values rounded to nearest even"
-            )
-        scale_mode = "nvfp4"
-        if tensor_amax is not None:
-            ta = tensor_amax
-            if not isinstance(ta, jax.core.Tracer):
-                ta = np.asarray(ta)
-                if ta.shape != () or not np.isfinite(ta) or ta < 0:
-                    raise ValueError(
-                        f"tensor_amax must be a finite non-negative scalar, got {tensor_amax}"
-                    )
-    else:
-        if tensor_amax is not None:
-            raise ValueError(
-                f"tensor_amax applies only to formats with an amax tensor scale (NVFP4, INT4), "
-                f"not to {fmt.name}"
-            )
-        scale_mode = "floor" if scale_mode is None else scale_mode
-        if scale_mode not in SCALE_MODES:
-            raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
-    other = tuple(i for i in range(ndim) if i not in axes)
-    padded = tuple(-(-shape[a] // b) * b for a, b in zip(axes, block_shape, strict=True))
-    return Plan(fmt, tuple(shape), axes, block_shape, other + axes, padded, scale_mode,
-                 stochastic, float(gain))
 
 
 def _to_blocks(x: jax.Array, plan: Plan) -> jax.Array:
@@ -500,13 +359,13 @@ def _quantize_blocks(xb, plan: Plan, key, tensor_amax, want_clip: bool) -> _Quan
         v = xb * inv_hi
         if elem.emax == 0:  # only MX INT8 can need 2**-e == 2**-127 (amax >= 2**127)
             v = v * inv_lo
-        if plan.gain != 1.0:
-            v = v * np.float32(plan.gain)
+        if plan.prescale != 1.0:
+            v = v * np.float32(plan.prescale)
         clipped = jnp.abs(v) > elem.max if want_clip else None
         q = round_to_grid(v, elem, rbits=rbits, saturate=True)
 
         def mul(elems, hi=mul_hi, lo=mul_lo):
-            return ungain((elems * hi) * lo, plan.gain)
+            return undo_prescale((elems * hi) * lo, plan.prescale)
 
         return _Quantized(q, code, mul, finite, clipped)
 
@@ -533,8 +392,8 @@ def _quantize_blocks(xb, plan: Plan, key, tensor_amax, want_clip: bool) -> _Quan
     r = jnp.where(live, ieee_div(ieee_div(np.float32(1.0), t), jnp.where(live, s, 1.0)), 0.0)
     (r,) = materialize(r)
     v = xb * r
-    if plan.gain != 1.0:
-        v = v * np.float32(plan.gain)
+    if plan.prescale != 1.0:
+        v = v * np.float32(plan.prescale)
     clipped = jnp.abs(v) > elem.max if want_clip else None
     v = jnp.where(r > 0, v, 0.0)
     q = round_to_grid(v, elem, rbits=rbits, saturate=True)
@@ -542,7 +401,7 @@ def _quantize_blocks(xb, plan: Plan, key, tensor_amax, want_clip: bool) -> _Quan
     s_or_nan = jnp.where(finite, s, np.float32(np.nan))
 
     def mul(elems, s=s_or_nan, t=t):
-        return ungain((elems * s) * t, plan.gain)
+        return undo_prescale((elems * s) * t, plan.prescale)
 
     return _Quantized(q, code, mul, finite, clipped, tensor_scale=t)
 
@@ -578,8 +437,8 @@ def _quantize_absmean(xb, plan: Plan, rbits, want_clip: bool) -> _Quantized:
     r, t = absmean_scales(xb, math.prod(plan.shape))
     (r,) = materialize(r)
     v = xb * r
-    if plan.gain != 1.0:
-        v = v * np.float32(plan.gain)
+    if plan.prescale != 1.0:
+        v = v * np.float32(plan.prescale)
     clipped = jnp.abs(v) > elem.max if want_clip else None
     q = round_to_grid(v, elem, rbits=rbits, saturate=True)
     # per block, as the other formats' fields are: all finite, or all NaN with t
@@ -587,14 +446,14 @@ def _quantize_absmean(xb, plan: Plan, rbits, want_clip: bool) -> _Quantized:
     finite = jnp.broadcast_to(jnp.isfinite(t), per_block)
 
     def mul(elems, t=t):
-        return ungain(elems * t, plan.gain)
+        return undo_prescale(elems * t, plan.prescale)
 
     return _Quantized(q, jnp.zeros(per_block, jnp.uint8), mul, finite, clipped, tensor_scale=t)
 
 
-def ungain(y: jax.Array, gain: float) -> jax.Array:
-    """Undo an element gain (see ``Plan.gain``) on dequantized values."""
-    return y if gain == 1.0 else ieee_div(y, np.float32(gain))
+def undo_prescale(y: jax.Array, prescale: float) -> jax.Array:
+    """Undo an element prescale (:attr:`Plan.prescale`) on dequantized values."""
+    return y if prescale == 1.0 else ieee_div(y, np.float32(prescale))
 
 
 def _squeeze_blocks(a: jax.Array, plan: Plan) -> jax.Array:
@@ -641,8 +500,8 @@ def quantize(
 
 
 def quantize_with_plan(x, plan: Plan, key, tensor_amax) -> QArray:
-    """:func:`quantize` for a checked plan. With ``plan.gain != 1`` the codes hold the
-    elements of ``x * gain`` (scale chosen from ``x``); divide dequantized values by it."""
+    """:func:`quantize` for a checked plan. With ``plan.prescale != 1`` the codes hold the
+    elements of ``x * prescale`` (scale chosen from ``x``); divide dequantized values by it."""
     qz = _quantize_blocks(_to_blocks(x, plan), plan, key, tensor_amax, want_clip=False)
     elem = plan.fmt.elem
     elems = jnp.where(qz.finite, qz.elems, 0.0)  # a NaN/Inf block: NaN scale, zero codes

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from lowbit import formats as _formats
-from lowbit.qarray import ROUNDINGS, SCALE_MODES
+from lowbit.plan import ROUNDINGS, check_prescale, scale_mode_of
 
 __all__ = [
     "QuantSpec",
@@ -118,19 +118,23 @@ class QuantSpec:
                     f"got {self.block_shape}"
                 )
         elif self.granularity == "block":
-            object.__setattr__(self, "format", _formats.get(self.format).name)
+            fmt = _formats.get(self.format)
+            object.__setattr__(self, "format", fmt.name)
+            scale_mode_of(fmt, self.scale_mode)  # the one check of a scale mode
         else:
             raise ValueError(
                 f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}"
             )
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
-        if self.scale_mode is not None and self.scale_mode not in SCALE_MODES:
-            raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
+        if self.granularity != "block" and self.scale_mode is not None:
+            raise ValueError(
+                f"scale_mode={self.scale_mode!r} does not apply to granularity="
+                f"{self.granularity!r}: its float32 scales are amax-based"
+            )
         if self.block_shape is not None:
             object.__setattr__(self, "block_shape", tuple(int(b) for b in self.block_shape))
-        if not self.prescale > 0:
-            raise ValueError(f"prescale must be positive, got {self.prescale}")
+        object.__setattr__(self, "prescale", check_prescale(self.prescale))
         if self.amax is not None:
             a = float(self.amax)
             if not (a > 0 and a < float("inf")):

@@ -46,7 +46,7 @@ TRITON_CUSTOM_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call")
 def format_unsupported(fmt) -> str | None:
     """Why the kernels cannot decode block format ``fmt`` (None if they can): they take the
     MX formats and NVFP4; INT4 and ternary run in the XLA emulation."""
-    if fmt.is_mx or (fmt.is_nv and fmt.elem.name == "e2m1"):
+    if fmt.is_mx or fmt.is_nvfp4:
         return None
     return f"{fmt.name} (the kernels decode the MX formats and NVFP4; {fmt.name} runs in XLA)"
 

@@ -8,16 +8,23 @@ GPU mode, for each kernel configuration:
   (8192 x 8192) and, rounding to nearest along rows, of the decode-like activation (16 x 8192):
   bit-exact against ``lowbit.quantize`` run by XLA on the same GPU, then timed against it and
   against the bf16 ``jnp.dot`` of that GEMM (quantize time / dot time = the overhead it adds);
-- quantize with the fused Hadamard transform and prescale gain of the recipes' backward GEMMs
-  (quartet: MXFP4, b = 32, stochastic, gain 3/4; mxfp4_bwd: b = 64; nvfp4's wgrad: NVFP4,
+- quantize with the fused Hadamard transform and prescale of the recipes' backward GEMMs
+  (quartet: MXFP4, b = 32, stochastic, prescale 3/4; mxfp4_bwd: b = 64; nvfp4's wgrad: NVFP4,
   b = 16, stochastic; and b = 256), random signs, along both axes: bit-exact against lowbit's
   fixed-order butterfly (``hadamard_transform(..., method="butterfly")``, computed by XLA in
-  its own jit) then its quantizer with the gain, timed against that XLA pair;
+  its own jit) then its quantizer with the prescale, timed against that XLA pair;
 - block-scaled matmul (every format with itself, E4M3 x E5M2, weight-only bf16 x MXFP4 /
   MXFP8 / NVFP4) on the prefill-like 8192^3 and decode-like M=16, K=N=8192 GEMMs: checked
   against dequantize + float32 dot (the tolerance of tests/test_pallas_matmul.py), timed
   against ``jnp.dot`` in bf16 on the same shapes: TFLOP/s, GB/s (operand and output bytes
-  over time) and the speed-up over the bf16 dot.
+  over time) and the speed-up over the bf16 dot;
+- ``quantized_gemm`` end to end, the forward and both backward GEMMs of the recipes
+  ``GEMM_RECIPES`` as ``lowbit.dot_general(..., implementation="pallas")`` calls them (dgrad
+  ``dy [M, N] @ w^T``, wgrad ``x^T @ dy``, each operand with the GEMM's spec, Hadamard
+  transform, random signs and keys), on the 4096^3 GEMM: against the XLA emulation
+  (``implementation="xla"``) within ``(2 K + 8) u (|A_q| @ |B_q|)`` (the quantized operands
+  are the same, stochastic rounding included; only the order of the float32 sums differs),
+  timed against it.
 A time budget (--budget-s, default 270 s) skips what is left once spent, so the whole run stays
 under 5 minutes even where compiles are slow; skipped rows are reported as such.
 
@@ -40,7 +47,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit import formats
+from lowbit import recipes as lowbit_recipes
 from lowbit.hadamard import hadamard_transform, random_signs
+from lowbit.operand import quantize_operand
+from lowbit.plan import make_plan
 from lowbit.qarray import QArray
 from lowbit.qarray import quantize as lowbit_quantize
 from pallas_kernels._common import export_for_cuda, format_unsupported, on_gpu, time_fn
@@ -57,18 +67,23 @@ from pallas_kernels.quantize import get_default as quantize_default
 from pallas_kernels.quantize import quantize
 from pallas_kernels.quantize.kernel import quantize_pallas
 from pallas_kernels.quantize.reference import quantize_reference
+from pallas_kernels.quantized_gemm import kernel_supports, quantized_gemm
 
 PREFILL = (8192, 8192, 8192)  # M, K, N
 DECODE = (16, 8192, 8192)
 # the formats the kernels decode (INT4 and ternary run in the XLA emulation)
 FORMATS = [f for f in formats.names() if format_unsupported(formats.get(f)) is None]
-# (format, rounding, Hadamard block, gain) of the fused quantize cases (see the docstring)
+# (format, rounding, Hadamard block, prescale) of the fused quantize cases (see the docstring)
 HADAMARD_CASES = [
     ("mxfp4", "stochastic", 32, 0.75),
     ("mxfp4", "stochastic", 64, 0.75),
     ("nvfp4", "stochastic", 16, 1.0),
     ("mxfp8_e4m3", "nearest", 256, 1.0),
 ]
+GEMM = (4096, 4096, 4096)  # M, K, N of the end-to-end quantized GEMMs
+# recipes whose three GEMMs run end to end: MX and NVFP4 FQT, Quartet's backward (random
+# Hadamard 32, stochastic rounding, prescale 3/4), Tseng et al.'s (Hadamard 64)
+GEMM_RECIPES = ["mxfp8", "mxfp4", "nvfp4", "quartet", "mxfp4_bwd"]
 MATMUL_PAIRS = [(f, f) for f in FORMATS] + [
     ("mxfp8_e4m3", "mxfp8_e5m2"),
     (None, "mxfp4"),  # W4A16 (None: a bf16 operand)
@@ -85,11 +100,14 @@ class QuantizeCase:
     shape: tuple[int, int]
     gemm: tuple[int, int, int]  # the GEMM whose operand this is (for the dot-time ratio)
     hadamard: int | None = None  # fused Hadamard block (random signs), or None
-    gain: float = 1.0
+    prescale: float = 1.0
 
     @property
     def name(self) -> str:
-        extra = "" if self.hadamard is None else f" hadamard={self.hadamard} gain={self.gain}"
+        extra = (
+            "" if self.hadamard is None
+            else f" hadamard={self.hadamard} prescale={self.prescale}"
+        )
         return (
             f"quantize {self.fmt:<10} axis={self.axis:>2} {self.rounding:<10} {self.shape}" + extra
         )
@@ -100,10 +118,18 @@ class QuantizeCase:
 
     def kwargs(self, key) -> dict:
         """quantize's keyword arguments (signs drawn from ``key``)."""
-        kw = dict(rounding=self.rounding, gain=self.gain)
+        kw = dict(rounding=self.rounding, prescale=self.prescale)
         if self.hadamard is not None:
             kw.update(hadamard=self.hadamard, signs=random_signs(key, self.hadamard))
         return kw
+
+    def kernel(self, x, key, signs_key, config=None):
+        """The quantize kernel on the checked plan of ``x`` (signs drawn from ``signs_key``)."""
+        kw = self.kwargs(signs_key)
+        plan = make_plan(x.shape, self.fmt, self.axis % 2, None, None, self.rounding, key,
+                         None, self.prescale)
+        return quantize_pallas(x, plan, key, config=config or self.config,
+                               hadamard=kw.get("hadamard"), signs=kw.get("signs"))
 
     def reference(self, x, key):
         """The XLA reference: lowbit's butterfly (its own jit, so XLA cannot fuse it into the
@@ -141,7 +167,7 @@ def quantize_cases() -> list[QuantizeCase]:
     ]
     cases += [QuantizeCase(f, -1, "nearest", DECODE[:2], DECODE) for f in FORMATS]
     cases += [
-        QuantizeCase(f, axis, r, PREFILL[:2], PREFILL, hadamard=b, gain=g)
+        QuantizeCase(f, axis, r, PREFILL[:2], PREFILL, hadamard=b, prescale=g)
         for f, r, b, g in HADAMARD_CASES
         for axis in (-1, 0)
     ]
@@ -151,6 +177,75 @@ def quantize_cases() -> list[QuantizeCase]:
 @functools.partial(jax.jit, static_argnums=(1, 3))
 def _butterfly(x, b, signs, axis):
     return hadamard_transform(x, b, signs=signs, axis=axis, method="butterfly")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmCase:
+    """One GEMM of a recipe as ``lowbit.dot_general`` sends it to ``quantized_gemm``."""
+
+    recipe: str
+    gemm: str  # "fwd", "dlhs", "drhs"
+    mkn: tuple[int, int, int]  # of this GEMM: a [M, K] @ b [K, N]
+
+    @property
+    def spec(self):
+        return getattr(lowbit_recipes.get(self.recipe), self.gemm)
+
+    @property
+    def name(self) -> str:
+        return f"quantized_gemm {self.recipe:<10} {self.gemm:<5} MKN={self.mkn}"
+
+    def args(self, key, dtype=jnp.bfloat16):
+        """``(a, b, keys, signs)``: operands drawn from ``key``, rounding keys, signs."""
+        m, k, n = self.mkn
+        a = jax.random.normal(jax.random.fold_in(key, 1), (m, k), dtype)
+        b = jax.random.normal(jax.random.fold_in(key, 2), (k, n), dtype)
+        keys = tuple(jax.random.key_data(jax.random.fold_in(key, i)) for i in (3, 4))
+        g = self.spec
+        signs = random_signs(key, g.hadamard) if g.hadamard and g.random_signs else None
+        return a, b, keys, signs
+
+    def call(self, implementation, interpret=False):
+        g = self.spec
+
+        def f(a, b, keys, signs):
+            return quantized_gemm(a, b, g.lhs, g.rhs, *keys, hadamard=g.hadamard or None,
+                                  signs=signs, implementation=implementation,
+                                  interpret=interpret)
+
+        return f
+
+
+def gemm_cases() -> list[GemmCase]:
+    """Every GEMM of ``GEMM_RECIPES`` that the kernels take (as dot_general lays it out)."""
+    m, k, n = GEMM
+    shapes = {"fwd": (m, k, n), "dlhs": (m, n, k), "drhs": (k, m, n)}
+    out = []
+    for r in GEMM_RECIPES:
+        for g in ("fwd", "dlhs", "drhs"):
+            spec = getattr(lowbit_recipes.get(r), g)
+            if kernel_supports(spec.lhs, spec.rhs)[0]:
+                out.append(GemmCase(r, g, shapes[g]))
+    return out
+
+
+@jax.jit
+def _gemm_excess(c, ref, aq, bq):
+    """max(|C - C_ref| - tol), tol = (2K + 8) 2**-24 (|A_q| @ |B_q|): <= 0 passes."""
+    mag = jnp.dot(jnp.abs(aq), jnp.abs(bq), precision=jax.lax.Precision.HIGHEST)
+    tol = (2 * aq.shape[1] + 8) * 2.0**-24 * mag
+    return jnp.max(jnp.abs(c - ref) - tol)
+
+
+def gemm_close(case: GemmCase, c, ref, a, b, keys, signs) -> tuple[bool, float]:
+    """Whether the kernels' ``c`` is the emulation's ``ref`` up to float32 summation order,
+    and the largest difference."""
+    g = case.spec
+    h = g.hadamard or None
+    aq = quantize_operand(a, g.lhs, 1, 0, keys[0], hadamard=h, signs=signs, native=False)
+    bq = quantize_operand(b, g.rhs, 0, 1, keys[1], hadamard=h, signs=signs, native=False)
+    excess = float(_gemm_excess(c, ref, aq, bq))
+    return excess <= 0, float(jnp.max(jnp.abs(c - ref)))
 
 
 def matmul_cases() -> list[MatmulCase]:
@@ -285,6 +380,29 @@ def run_gpu(budget_s: float) -> int:
             f"bf16 dot {td * 1e6:9.1f} us | speed-up {td / tk:5.2f}x"
         )
 
+    print("\n-- quantized_gemm end to end (a recipe's GEMMs): vs the XLA emulation, time vs it")
+    for case in gemm_cases():
+        if over_budget(case.name):
+            continue
+        args = case.args(key)
+        kern, emul = jax.jit(case.call("pallas")), jax.jit(case.call("xla"))
+        try:
+            c, ref = kern(*args), emul(*args)
+            ok, err = gemm_close(case, c, ref, *args)
+            tk, te = time_fn(kern, args), time_fn(emul, args)
+        except Exception as e:
+            failures.append(case.name)
+            print(f"{case.name}: ERROR {type(e).__name__}: {str(e)[:300]}")
+            continue
+        if not ok:
+            failures.append(case.name)
+        m, k, n = case.mkn
+        print(
+            f"{case.name}: {'ok' if ok else 'OUT OF TOLERANCE'} (max err {err:.2e})  "
+            f"{tk * 1e6:9.1f} us {2 * m * n * k / tk / 1e12:7.1f} TFLOP/s | XLA emulation "
+            f"{te * 1e6:9.1f} us ({te / tk:5.2f}x faster)"
+        )
+
     print(
         f"\n{len(failures)} failed, {len(skipped)} skipped, {time.perf_counter() - t_start:.0f} s"
     )
@@ -311,9 +429,7 @@ def run_dry() -> int:
         try:
             spec = jax.ShapeDtypeStruct(case.shape, jnp.bfloat16)
             export_for_cuda(
-                lambda x, k, c=case, cfg=cfg: quantize_pallas(
-                    x, c.fmt, c.axis, key=k, config=cfg, **c.kwargs(key)
-                ),
+                lambda x, k, c=case, cfg=cfg: c.kernel(x, k, key, cfg),
                 spec,
                 jax.ShapeDtypeStruct((2,), jnp.uint32),
             )
@@ -363,6 +479,23 @@ def run_dry() -> int:
             print(f"{case.name}: ERROR {type(e).__name__}: {str(e)[:300]}")
         print(
             f"{case.name} {cfg}: lowers for CUDA; interpret {(sm, sk, sn)}: "
+            f"{'ok' if ok else 'FAILED'} (max err {err:.1e})"
+        )
+        if not ok:
+            failures.append(case.name)
+    for case in gemm_cases():
+        m, k, n = case.mkn
+        small = GemmCase(case.recipe, case.gemm, (min(m, 64), min(k, 256), min(n, 64)))
+        try:
+            export_for_cuda(case.call("pallas"), *jax.eval_shape(case.args, key))
+            args = small.args(key, jnp.float32)
+            c = small.call("pallas", interpret=True)(*args)
+            ok, err = gemm_close(small, c, small.call("xla")(*args), *args)
+        except Exception as e:
+            ok, err = False, float("nan")
+            print(f"{case.name}: ERROR {type(e).__name__}: {str(e)[:300]}")
+        print(
+            f"{case.name}: lowers for CUDA; interpret {small.mkn}: "
             f"{'ok' if ok else 'FAILED'} (max err {err:.1e})"
         )
         if not ok:

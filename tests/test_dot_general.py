@@ -1,6 +1,7 @@
 """Tests for lowbit.dot_general: the three quantized GEMMs of every recipe, against references.
 
-The reference (``reference`` below) is written from the semantics in lowbit/recipes.py, not
+The reference (``reference`` in tests/dot_general_base.py, with the spec that every other
+implementation's subclass runs) is written from the semantics in lowbit/recipes.py, not
 from dot_general.py's internals: each of the three GEMMs (``fwd``: lhs, rhs; ``dlhs``: dy, rhs;
 ``drhs``: lhs, dy) transforms its operands along its own contraction axis with its Hadamard
 block (signs ``_signs(gemm, key, tag)``), fake-quantizes each operand along that axis with
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import statistics
 
 import jax
@@ -45,209 +45,40 @@ from jax.sharding import PartitionSpec as P
 
 import lowbit as lb
 from lowbit import recipes
-from lowbit.hadamard import hadamard_transform
-from lowbit.operand import fold_key as _fold
 from lowbit.operand import gemm_signs as _signs
-from lowbit.operand import quantize_operand, std_scaled_quantize
+from lowbit.operand import quantize_operand
 from lowbit.recipes import GemmSpec, QuantSpec, Recipe
+from tests.dot_general_base import (
+    CASE,
+    CASES,
+    DN,
+    HIGHEST,
+    KEY,
+    MIXED,
+    MK_KN,
+    TAGS,
+    U32,
+    K,
+    M,
+    N,
+    assert_equal,
+    assert_within,
+    gemm_tol,
+    inputs,
+    reference,
+    rel_err,
+    value_and_grads,
+)
+from tests.dot_general_base import dot as _dot
+from tests.dot_general_base import hadamard as _hadamard
+from tests.dot_general_base import normal as _normal
 
-U32 = 2.0**-24  # float32 unit roundoff
 # The weight-only recipes share one GEMM path: one of them stands for both (each recipe here
 # costs ~13 s of suite time). So do the 8-bit-activation recipes (int8 rows times a block
 # format): w4a8_int4 and w16a8 stand for them; qat_ternary's weight is bitnet's.
 _SAME_PATH = ("w4a16_", "w8a8_", "w6a8_", "w4a8_mxfp4", "w4a8_nvfp4", "qat_ternary")
 ALL = [n for n in recipes.names() if not n.startswith(_SAME_PATH)] + ["w4a16_nvfp4"]
 QAT = [n for n in ALL if n.startswith("qat_")]
-KEY = jax.random.key(1234)
-HIGHEST = lax.Precision.HIGHEST
-TAGS = {"fwd": 0, "dlhs": 1, "drhs": 2}  # fold_in tags of the three GEMMs
-
-
-def _normal(seed, shape, scale=1.0):
-    return scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
-
-
-def _dot(a, b, dn):
-    return lax.dot_general(a, b, dn, precision=HIGHEST, preferred_element_type=jnp.float32)
-
-
-def gemm_tol(a, b, dn):
-    """Largest difference between two float32 summation orders of ``dot_general(a, b, dn)``:
-    ``2 gamma_n (|A| |B|)``; the extra ``(1 + gamma_n)`` covers the rounding of ``|A| |B|``
-    itself (a sum of non-negative terms), ``n * 2**-126`` the CPU's flush of subnormals."""
-    (lc, _), _ = dn
-    n = math.prod(a.shape[i] for i in lc)
-    gamma = n * U32 / (1 - n * U32)
-    return 2 * gamma * (1 + gamma) * _dot(jnp.abs(a), jnp.abs(b), dn) + n * 2.0**-126
-
-
-def assert_within(actual, expected, tol):
-    err = np.abs(np.asarray(actual, np.float64) - np.asarray(expected, np.float64))
-    tol = np.asarray(tol, np.float64)
-    bad = err > tol
-    assert not np.any(bad), f"{np.sum(bad)} elements off, worst err / tol {np.max(err / tol)}"
-
-
-def assert_equal(tree_a, tree_b):
-    for a, b in zip(jax.tree.leaves(tree_a), jax.tree.leaves(tree_b), strict=True):
-        assert a.shape == b.shape and a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def rel_err(a, ref):
-    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-    return np.linalg.norm(a - ref) / np.linalg.norm(ref)
-
-
-# ------------------------------------------------------------------------------------------
-# The reference
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """A dot_general and, written out by hand, the layout of its three GEMMs.
-
-    Each operand entry is ``(block axis, the tile's other axis)``: the GEMM's last contracting
-    axis of that operand, and the operand's last other (free) axis. ``dlhs_dn`` contracts the
-    rhs's free dims of ``(dy, rhs)``, ``drhs_dn`` the lhs's free dims of ``(lhs, dy)``.
-    """
-
-    id: str
-    lhs_shape: tuple[int, ...]
-    rhs_shape: tuple[int, ...]
-    dn: tuple
-    fwd_lhs: tuple[int, int]
-    fwd_rhs: tuple[int, int]
-    dlhs_dy: tuple[int, int]
-    dlhs_rhs: tuple[int, int]
-    dlhs_dn: tuple
-    drhs_lhs: tuple[int, int]
-    drhs_dy: tuple[int, int]
-    drhs_dn: tuple
-
-
-# fmt: off
-M, K, N, B = 64, 128, 64, 2
-MK_KN = Case(  # y[m,n] = x[m,k] w[k,n]; dy [M, N]
-    "mk,kn->mn", (M, K), (K, N), (((1,), (0,)), ((), ())),
-    fwd_lhs=(1, 0), fwd_rhs=(0, 1),
-    dlhs_dy=(1, 0), dlhs_rhs=(1, 0), dlhs_dn=(((1,), (1,)), ((), ())),  # dx[m,k] = dy[m,n] w[k,n]
-    drhs_lhs=(0, 1), drhs_dy=(0, 1), drhs_dn=(((0,), (0,)), ((), ())),  # dw[k,n] = x[m,k] dy[m,n]
-)
-BMK_BKN = Case(  # batched; dy [B, M, N]
-    "bmk,bkn->bmn", (B, M, K), (B, K, N), (((2,), (1,)), ((0,), (0,))),
-    fwd_lhs=(2, 1), fwd_rhs=(1, 2),
-    dlhs_dy=(2, 1), dlhs_rhs=(2, 1), dlhs_dn=(((2,), (2,)), ((0,), (0,))),  # dx[b,m,k]
-    drhs_lhs=(1, 2), drhs_dy=(1, 2), drhs_dn=(((1,), (1,)), ((0,), (0,))),  # dw[b,k,n]
-)
-MAB_ABN = Case(  # two contracting dims (a, b); blocks run along the last one, b; dy [M, N]
-    "mab,abn->mn", (M, B, 64), (B, 64, N), (((1, 2), (0, 1)), ((), ())),
-    fwd_lhs=(2, 0), fwd_rhs=(1, 2),
-    dlhs_dy=(1, 0), dlhs_rhs=(2, 1), dlhs_dn=(((1,), (2,)), ((), ())),  # dx[m,a,b]
-    drhs_lhs=(0, 2), drhs_dy=(0, 1), drhs_dn=(((0,), (0,)), ((), ())),  # dw[a,b,n]
-)
-# fmt: on
-CASES = [MK_KN, BMK_BKN, MAB_ABN]
-CASE = {c.id: c for c in CASES}
-DN = MK_KN.dn
-
-
-def _hadamard(x, axis, gemm: GemmSpec, signs, inverse=False):
-    if not gemm.hadamard:
-        return x
-    # Along ``axis`` itself, as the library transforms (no transpose: a transposed dense
-    # transform is another GEMM layout, whose float32 sums XLA:CPU may order differently).
-    return hadamard_transform(x, gemm.hadamard, signs=signs, axis=axis, inverse=inverse)
-
-
-def _operand(x, spec, gemm, axes, key, signs):
-    axis, other = axes
-    x = x.astype(jnp.float32)
-    if spec is not None or gemm.hadamard:
-        # An identity: keeps XLA from fusing the operand's producer into the quantizer, as
-        # the library does, so that one program holding both compiles faster.
-        x = lax.optimization_barrier(x)
-    x = _hadamard(x, axis, gemm, signs)
-    return quantize_operand(x, spec, axis, other, key)
-
-
-def _mask(x, spec, gemm, axes, signs):
-    """A forward operand's trust mask (None without one), in the forward's Hadamard basis."""
-    if spec is None or not spec.trust_mask:
-        return None
-    x = _hadamard(lax.optimization_barrier(x.astype(jnp.float32)), axes[0], gemm, signs)
-    return std_scaled_quantize(x, spec, axes[0])[1]
-
-
-def _through_forward(g, mask, gemm, axis, signs, rotated):
-    """The gradient of a forward operand's value (in the forward's basis when ``rotated``)
-    back to the high-precision operand: into the basis, the trust mask, out of it."""
-    if mask is None and not rotated:
-        return g
-    if not rotated:
-        g = _hadamard(g, axis, gemm, signs)
-    if mask is not None:
-        g = jnp.where(mask, g, 0.0)
-    return _hadamard(g, axis, gemm, signs, inverse=True)
-
-
-def reference(x, w, dy, key, case: Case, recipe: Recipe):
-    """``(y, dx, dw)`` and the quantized operands of each GEMM, quantized by hand."""
-    kd = None if key is None else jax.random.key_data(key)
-    f, dl, dr = recipe.fwd, recipe.dlhs, recipe.drhs
-    s_f, s_dl, s_dr = (_signs(g, kd, TAGS[t]) for g, t in ((f, "fwd"), (dl, "dlhs"), (dr, "drhs")))
-    x_f = _operand(x, f.lhs, f, case.fwd_lhs, _fold(kd, 0, 0), s_f)
-    w_f = _operand(w, f.rhs, f, case.fwd_rhs, _fold(kd, 0, 1), s_f)
-    # Straight-through: the operand as the forward saw it, forward Hadamard undone.
-    w_ste = _hadamard(w_f, case.fwd_rhs[0], f, s_f, inverse=True)
-    x_ste = _hadamard(x_f, case.fwd_lhs[0], f, s_f, inverse=True)
-    # backward_operands="forward": the backward starts from the forward's values, its basis.
-    fwd_basis = recipe.backward_operands == "forward"
-    w_src = w_f if fwd_basis else (w if dl.rhs is not None else w_ste)
-    x_src = x_f if fwd_basis else (x if dr.lhs is not None else x_ste)
-    dy_dl = _operand(dy, dl.lhs, dl, case.dlhs_dy, _fold(kd, 1, 0), s_dl)
-    w_dl = _operand(w_src, dl.rhs, dl, case.dlhs_rhs, _fold(kd, 1, 1), s_dl)
-    x_dr = _operand(x_src, dr.lhs, dr, case.drhs_lhs, _fold(kd, 2, 0), s_dr)
-    dy_dr = _operand(dy, dr.rhs, dr, case.drhs_dy, _fold(kd, 2, 1), s_dr)
-    dx = _dot(dy_dl, w_dl, case.dlhs_dn)
-    dw = _dot(x_dr, dy_dr, case.drhs_dn)
-    if recipe.through_forward:
-        mx = _mask(x, f.lhs, f, case.fwd_lhs, s_f)
-        mw = _mask(w, f.rhs, f, case.fwd_rhs, s_f)
-        dx = _through_forward(dx, mx, f, case.fwd_lhs[0], s_f, fwd_basis)
-        dw = _through_forward(dw, mw, f, case.fwd_rhs[0], s_f, fwd_basis)
-    out = (_dot(x_f, w_f, case.dn), dx, dw)
-    ops = ((x_f, w_f), (dy_dl, w_dl), (x_dr, dy_dr))
-    return out, ops
-
-
-def value_and_grads(x, w, dy, key, dn, recipe):
-    """``(y, dx, dw)`` of lowbit's dot_general, gradients by ``jax.vjp`` with cotangent dy."""
-    y, vjp = jax.vjp(lambda a, b: lb.dot_general(a, b, dn, recipe=recipe, key=key), x, w)
-    return (y, *vjp(dy))
-
-
-def inputs(case: Case, seed=0):
-    x = _normal(seed, case.lhs_shape)
-    w = _normal(seed + 1, case.rhs_shape, 0.1)
-    y_shape = jax.eval_shape(functools.partial(_dot, dn=case.dn), x, w).shape
-    return x, w, _normal(seed + 2, y_shape, 0.01)
-
-
-# No registered recipe combines a forward Hadamard transform with straight-through backward
-# operands, or mixes None and quantized specs in one backward GEMM: this one does. Forward:
-# x clipped to 2.5 RMS and MXFP8, w in NVFP4 16x16 tiles, after a 32-point Hadamard
-# transform. dgrad: w straight-through (forward Hadamard undone, then dgrad's own 16-point
-# transform), dy stochastically rounded to MXFP6. wgrad: x straight-through, dy in FP8 with a
-# tensor scale, after a 16-point transform.
-MIXED = Recipe(
-    "mixed",
-    fwd=GemmSpec(
-        QuantSpec("mxfp8", clip_rms=2.5), QuantSpec("nvfp4", block_shape=(16, 16)), hadamard=32
-    ),
-    dlhs=GemmSpec(QuantSpec("mxfp6_e3m2", rounding="stochastic"), None, hadamard=16),
-    drhs=GemmSpec(None, QuantSpec("e5m2", granularity="tensor"), hadamard=16),
-)
 
 # Compiling dominates the run time (each program runs in microseconds), so a recipe's
 # reference checks, vmap and remat share one cached program; the "plain call" of the

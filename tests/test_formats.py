@@ -75,7 +75,8 @@ def test_get_by_name(name):
     assert fmt.scale.bits == (0 if scale == "absmean" else 8)
     assert fmt.tensor_scale == tensor_scale
     assert fmt.is_mx == (scale == "e8m0")
-    assert fmt.is_nv == (scale == "ue4m3")
+    assert fmt.is_e4m3_scaled == (scale == "ue4m3")
+    assert fmt.is_nvfp4 == (name == "nvfp4")
     assert fmt.is_absmean == (scale == "absmean")
 
 

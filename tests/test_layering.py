@@ -2,7 +2,7 @@
 
 Layers, lowest first (a module may import its own layer and the layers below it):
 
-    formats, implementation -> numerics, hadamard -> native -> qarray -> recipes
+    formats, implementation -> numerics, hadamard, plan -> native -> qarray -> recipes
       -> operand, calibrate -> pallas_kernels (the kernels and their references)
       -> dot_general -> flax -> ptq -> autoquant -> experiments -> benchmarks
 
@@ -26,7 +26,7 @@ PACKAGES = ("lowbit", "pallas_kernels", "experiments", "benchmarks")
 
 LAYERS = [
     ("lowbit.formats", "lowbit.implementation"),
-    ("lowbit.numerics", "lowbit.hadamard"),
+    ("lowbit.numerics", "lowbit.hadamard", "lowbit.plan"),
     ("lowbit.native",),
     ("lowbit.qarray",),
     ("lowbit.recipes",),

@@ -154,10 +154,10 @@ def test_low_precision_inputs_match(dtype):
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxint8", "nvfp4"])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_element_gain_matches(fmt, rounding):
-    """Recipes scale elements by 3/4 before rounding (and divide after): plan.gain."""
+    """Recipes scale elements by 3/4 before rounding (and divide after): plan.prescale."""
     x = jnp.asarray(hard_values((8, 96), seed=5))
     key = None if rounding == "nearest" else jax.random.key_data(jax.random.key(2))
-    plan = _qa.make_plan(x.shape, fmt, -1, None, None, rounding, key, None, gain=0.75)
+    plan = _qa.make_plan(x.shape, fmt, -1, None, None, rounding, key, None, prescale=0.75)
     want, got = both(lambda x: _qa.fake_quantize_with_plan(x, key, None, plan, False)[0], x)
     assert_identical(want, got)
 
@@ -339,7 +339,7 @@ def test_2d_tiles_match_the_xla_path(shape, axes, tile, fmt, rounding):
 def test_2d_tiles_with_calibrated_tensor_amax_gain_and_vmap_match():
     x = jnp.asarray(RNG.standard_normal((3, 32, 48)).astype(np.float32))
     plan = _qa.make_plan(
-        x.shape[1:], "nvfp4", (0, 1), (16, 16), None, "nearest", None, 1.5, gain=0.75
+        x.shape[1:], "nvfp4", (0, 1), (16, 16), None, "nearest", None, 1.5, prescale=0.75
     )
     want, got = both(
         jax.vmap(lambda x, t: _qa.fake_quantize_with_plan(x, None, t, plan)[0]),
@@ -369,7 +369,7 @@ def hadamard_pair(
     "butterfly")`` then the XLA quantizer, and the kernel's fused transform."""
     key = jax.random.key_data(jax.random.key(4)) if rounding == "stochastic" else None
     bs = None if block is None else (block,)
-    plan = _qa.make_plan(shape, fmt, axis, bs, scale_mode, rounding, key, tensor_amax, gain=gain)
+    plan = _qa.make_plan(shape, fmt, axis, bs, scale_mode, rounding, key, tensor_amax, gain)
 
     def reference(x, signs, tamax=tensor_amax):
         xh = lb.hadamard.hadamard_transform(

@@ -20,7 +20,7 @@ the other way: at most 0.1 % of the code bytes and 1 % of the block scales may d
 NVFP4's tensor scale by a few ulp (measured: at most 1 code byte in 65536, no scale).
 
 Prescale gain (``gain=g``): bit-exact with ``lowbit.qarray.quantize_with_plan`` for
-``make_plan(..., gain=g)``; dividing the dequantized values by ``g`` gives lowbit's
+``make_plan(..., prescale=g)``; dividing the dequantized values by ``g`` gives lowbit's
 fake-quantized values for that plan.
 
 Without a GPU the Triton path is checked by lowering every kernel configuration for CUDA
@@ -79,7 +79,7 @@ class HCase(NamedTuple):
         signs = random_signs(jax.random.key(self.hadamard), self.hadamard) if self.signs else None
         key = KEY if self.rounding == "stochastic" else None
         return dict(
-            rounding=self.rounding, key=key, hadamard=self.hadamard, signs=signs, gain=self.gain
+            rounding=self.rounding, key=key, hadamard=self.hadamard, signs=signs, prescale=self.gain
         )
 
 
@@ -106,14 +106,14 @@ GAIN_CASES = [
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
 def _gain_oracle(x, key, fmt, axis, rounding, gain):
-    """lowbit's quantizer with a plan gain; its dequantized values ungained; lowbit's
+    """lowbit's quantizer with a plan gain; its dequantized values unscaled; lowbit's
     fake-quantized values for that plan; the codes without the gain."""
     plan = lowbit_qarray.make_plan(x.shape, fmt, axis, None, None, rounding, key, None, gain)
     q = lowbit_qarray.quantize_with_plan(x, plan, key, None)
-    ungained = lowbit_qarray.ungain(lowbit_qarray.dequantize(q), gain)
+    unscaled = lowbit_qarray.undo_prescale(lowbit_qarray.dequantize(q), gain)
     fake = lowbit_qarray.fake_quantize_with_plan(x, key, None, plan, native=False)[0]
     plain = lowbit_qarray.make_plan(x.shape, fmt, axis, None, None, rounding, key, None)
-    return q, ungained, fake, lowbit_qarray.quantize_with_plan(x, plain, key, None).codes
+    return q, unscaled, fake, lowbit_qarray.quantize_with_plan(x, plain, key, None).codes
 
 
 def _hcase_id(case: HCase) -> str:
@@ -277,12 +277,12 @@ class QuantizeTestBase:
         fmt, axis, rounding, gain = case
         x = _matrix((32, 64), seed=11, specials=False)
         key = KEY if rounding == "stochastic" else None
-        q = self.quantize(x, fmt, axis, rounding=rounding, key=key, gain=gain)
-        oracle, ungained, fake, ungained_codes = _gain_oracle(x, key, fmt, axis, rounding, gain)
+        q = self.quantize(x, fmt, axis, rounding=rounding, key=key, prescale=gain)
+        oracle, unscaled, fake, unscaled_codes = _gain_oracle(x, key, fmt, axis, rounding, gain)
         _assert_same_qarray(q, oracle)
-        # the codes hold the gained elements: ungained, lowbit's fake-quantized values
-        np.testing.assert_array_equal(np.asarray(ungained), np.asarray(fake))
-        assert np.mean(np.asarray(q.codes) != np.asarray(ungained_codes)) > 0.1
+        # the codes hold the gained elements: unscaled, lowbit's fake-quantized values
+        np.testing.assert_array_equal(np.asarray(unscaled), np.asarray(fake))
+        assert np.mean(np.asarray(q.codes) != np.asarray(unscaled_codes)) > 0.1
 
     def test_rejects_bad_arguments(self):
         x = jnp.ones((32, 64))
@@ -319,10 +319,10 @@ class QuantizeTestBase:
             self.quantize(x, "mxfp4", signs=jnp.ones(16))
         with pytest.raises(ValueError, match=r"signs must have shape \(16,\)"):
             self.quantize(x, "mxfp4", hadamard=16, signs=jnp.ones(32))
-        with pytest.raises(ValueError, match="gain must be a finite positive float"):
-            self.quantize(x, "mxfp4", gain=0.0)
-        with pytest.raises(TypeError, match="gain must be a Python float"):
-            self.quantize(x, "mxfp4", gain=jnp.float32(0.75))
+        with pytest.raises(ValueError, match="prescale must be a finite positive float"):
+            self.quantize(x, "mxfp4", prescale=0.0)
+        with pytest.raises(TypeError, match="prescale must be a Python float"):
+            self.quantize(x, "mxfp4", prescale=jnp.float32(0.75))
         with pytest.raises(ValueError, match="block_cols=32 must be a multiple of the Hadamard"):
             quantize(
                 x,
@@ -441,17 +441,11 @@ def _export(
         specs.append(jax.ShapeDtypeStruct((hadamard,), jnp.float32))
 
     def fn(x, key, signs=None):
+        plan = lowbit_qarray.make_plan(
+            x.shape, fmt, axis % 2, None, None, rounding, key, tensor_amax, gain
+        )
         return quantize_pallas(
-            x,
-            fmt,
-            axis,
-            rounding=rounding,
-            key=key,
-            config=config,
-            tensor_amax=tensor_amax,
-            hadamard=hadamard,
-            signs=signs,
-            gain=gain,
+            x, plan, key, tensor_amax, config=config, hadamard=hadamard, signs=signs
         )
 
     return export_for_cuda(fn, *specs)
@@ -472,9 +466,8 @@ def test_lowers_for_cuda(fmt, axis, rounding):
 @pytest.mark.parametrize("mode", ["ceil", "even", "rceil"])
 def test_scale_modes_lower_for_cuda(mode):
     spec = jax.ShapeDtypeStruct((64, 128), jnp.float32)
-    export_for_cuda(
-        lambda x: quantize_pallas(x, "mxint8", -1, scale_mode=mode, config=Config(16, 64)), spec
-    )
+    plan = lowbit_qarray.make_plan((64, 128), "mxint8", 1, None, mode, "nearest", None, None)
+    export_for_cuda(lambda x: quantize_pallas(x, plan, config=Config(16, 64)), spec)
 
 
 def test_gpu_check_shapes_lower_for_cuda():

@@ -171,8 +171,8 @@ inline float WithSign(float r, float v) {
 enum Kind { kMxFloat = 0, kMxInt = 1, kNvfp4 = 2 };
 enum ScaleMode { kFloor = 0, kCeil = 1, kEven = 2, kRceil = 3 };
 
-// Per-block factors. MX: v = x * in1 [* in2] [* gain], y = (q * out1) * out2.
-// NVFP4: v = x * in1 [* gain], zero where in1 == 0, y = (q * out1) * out2 (s, then t).
+// Per-block factors. MX: v = x * in1 [* in2] [* prescale], y = (q * out1) * out2.
+// NVFP4: v = x * in1 [* prescale], zero where in1 == 0, y = (q * out1) * out2 (s, then t).
 struct Factors {
   float in1, in2, out1, out2;
   bool finite;
@@ -182,8 +182,8 @@ struct Config {
   Kind kind;
   ScaleMode mode;
   Grid grid;
-  float gain;
-  bool has_gain, stochastic, has_tensor_amax;
+  float prescale;
+  bool has_prescale, stochastic, has_tensor_amax;
 };
 
 // qarray._mx_scale_exponent, then the exact power-of-two factors of qarray._quantize_blocks.
@@ -236,11 +236,11 @@ __attribute__((always_inline)) inline Factors Nvfp4Factors(uint32_t amax_bits, f
 }
 
 // One element: scale, round, rescale.
-template <Kind K, bool kSR, bool kGain>
+template <Kind K, bool kSR, bool kPrescale>
 inline float Element(float x, const Factors& f, uint32_t rbits, const Config& c) {
   float v = x * f.in1;
   if constexpr (K == kMxInt) v = v * f.in2;
-  if constexpr (kGain) v = v * c.gain;
+  if constexpr (kPrescale) v = v * c.prescale;
   if constexpr (K == kNvfp4) v = f.in1 > 0.0f ? v : 0.0f;
   const float a = Saturate(std::fabs(v), c.grid.max);
   float r;
@@ -250,7 +250,7 @@ inline float Element(float x, const Factors& f, uint32_t rbits, const Config& c)
     r = RoundNearest(a, c.grid);
   }
   float y = (WithSign<K == kMxInt>(r, v) * f.out1) * f.out2;
-  if constexpr (kGain) y = y / c.gain;
+  if constexpr (kPrescale) y = y / c.prescale;
   return y;
 }
 
@@ -704,7 +704,7 @@ void TransformItem(const Layout& L, const Hadamard& h, const ItemRows& it, Scrat
 // The elements of one row of n floats in tiles of `width` (kW, when > 0), tile t with factors
 // (a1, a2, b1, b2)[t]. Restrict-qualified parameters (and the copies of c and the stream) let
 // the compiler keep the constants in registers with no alias checks per tile.
-template <Kind K, bool kSR, bool kGain, int kW>
+template <Kind K, bool kSR, bool kPrescale, int kW>
 inline void QuantizeRow(const float* __restrict xr, float* __restrict yr, uint32_t base,
                         int64_t n, int64_t width, const float* __restrict a1,
                         const float* __restrict a2, const float* __restrict b1,
@@ -716,7 +716,7 @@ inline void QuantizeRow(const float* __restrict xr, float* __restrict yr, uint32
     for (int64_t i = 0; i < n; ++i) {
       const Factors f{a1[i], a2[i], b1[i], b2[i], true};
       const uint32_t rbits = kSR ? st(base + uint32_t(i)) : 0u;
-      yr[i] = Element<K, kSR, kGain>(xr[i], f, rbits, c);
+      yr[i] = Element<K, kSR, kPrescale>(xr[i], f, rbits, c);
     }
   } else {
     const int64_t w = kW > 0 ? kW : width;
@@ -726,7 +726,7 @@ inline void QuantizeRow(const float* __restrict xr, float* __restrict yr, uint32
       const uint32_t bbase = base + uint32_t(b * w);
       for (int64_t j = 0; j < w; ++j) {
         const uint32_t rbits = kSR ? st(bbase + uint32_t(j)) : 0u;
-        yr[b * w + j] = Element<K, kSR, kGain>(xr[b * w + j], f, rbits, c);
+        yr[b * w + j] = Element<K, kSR, kPrescale>(xr[b * w + j], f, rbits, c);
       }
     }
     if (rem > 0) {
@@ -734,7 +734,7 @@ inline void QuantizeRow(const float* __restrict xr, float* __restrict yr, uint32
       const uint32_t bbase = base + uint32_t(full * w);
       for (int64_t j = 0; j < rem; ++j) {
         const uint32_t rbits = kSR ? st(bbase + uint32_t(j)) : 0u;
-        yr[full * w + j] = Element<K, kSR, kGain>(xr[full * w + j], f, rbits, c);
+        yr[full * w + j] = Element<K, kSR, kPrescale>(xr[full * w + j], f, rbits, c);
       }
     }
   }
@@ -746,7 +746,7 @@ inline void QuantizeRow(const float* __restrict xr, float* __restrict yr, uint32
 // columns), 16 and 32 (the formats' own, so the per-tile loops unroll). Maxima, then all
 // the tiles' factors in one vectorised loop, then the elements; a non-finite tile's out1 is
 // NaN, so its elements come out NaN from the arithmetic itself.
-template <Kind K, bool kSR, bool kGain, int kW>
+template <Kind K, bool kSR, bool kPrescale, int kW>
 void QuantizeTiles(const float* const* in, float* const* out, const uint32_t* index,
                    int64_t rows, int64_t n, int64_t width, const Config& c,
                    const RandomStream& stream, float t, const Grid& e4m3, Scratch& s) {
@@ -770,14 +770,14 @@ void QuantizeTiles(const float* const* in, float* const* out, const uint32_t* in
   }
   FactorsOf<K>(m, tiles, c, t, e4m3, s.fa);
   for (int64_t r = 0; r < rows; ++r) {
-    QuantizeRow<K, kSR, kGain, kW>(in[r], out[r], index[r], n, w, s.fa.in1.data(),
+    QuantizeRow<K, kSR, kPrescale, kW>(in[r], out[r], index[r], n, w, s.fa.in1.data(),
                                    s.fa.in2.data(), s.fa.out1.data(), s.fa.out2.data(), c,
                                    stream);
   }
 }
 
 // Items [i0, i1): transform (with a Hadamard block), then quantize into y.
-template <Kind K, bool kSR, bool kGain, int kW>
+template <Kind K, bool kSR, bool kPrescale, int kW>
 void QuantizeItems(int64_t i0, int64_t i1, const Layout& L, const Hadamard& h, const float* x,
                    float* y, const Config& c, const RandomStream* streams,
                    const float* tensor_scales, const Grid& e4m3) {
@@ -787,18 +787,18 @@ void QuantizeItems(int64_t i0, int64_t i1, const Layout& L, const Hadamard& h, c
     const RandomStream& stream = streams[it.batch];
     const float t = tensor_scales[it.batch];
     if (L.hadamard == 0) {
-      QuantizeTiles<K, kSR, kGain, kW>(s.in.data(), s.out.data(), s.index.data(), it.rows, it.n,
+      QuantizeTiles<K, kSR, kPrescale, kW>(s.in.data(), s.out.data(), s.index.data(), it.rows, it.n,
                                        L.strided ? 1 : L.block_c, c, stream, t, e4m3, s);
       continue;
     }
     TransformItem(L, h, it, s);
     if (!L.strided) {
-      QuantizeTiles<K, kSR, kGain, kW>(s.buf_rows.data(), s.out.data(), s.index.data(), 1,
+      QuantizeTiles<K, kSR, kPrescale, kW>(s.buf_rows.data(), s.out.data(), s.index.data(), 1,
                                        it.n, L.block_c, c, stream, t, e4m3, s);
       continue;
     }
     for (int64_t k = 0; k < it.rows; k += L.block_c) {
-      QuantizeTiles<K, kSR, kGain, kW>(s.buf_rows.data() + k, s.out.data() + k,
+      QuantizeTiles<K, kSR, kPrescale, kW>(s.buf_rows.data() + k, s.out.data() + k,
                                        s.index.data() + k, std::min(L.block_c, it.rows - k),
                                        it.n, 1, c, stream, t, e4m3, s);
     }
@@ -829,14 +829,14 @@ void RunItems(ffi::ThreadPool& pool, int64_t items, int64_t elements, const F& t
   }
 }
 
-template <Kind K, bool kSR, bool kGain>
+template <Kind K, bool kSR, bool kPrescale>
 void Dispatch(ffi::ThreadPool& pool, const Layout& L, const Hadamard& h, int64_t nbatch,
               const float* x, float* y, const Config& c, const RandomStream* streams,
               const float* tensor_scales, const Grid& e4m3) {
   auto run = [&](auto width) {
     RunItems(pool, nbatch * L.Items(), nbatch * L.per_batch,
              [&](int64_t i0, int64_t i1, int64_t) {
-               QuantizeItems<K, kSR, kGain, decltype(width)::value>(i0, i1, L, h, x, y, c,
+               QuantizeItems<K, kSR, kPrescale, decltype(width)::value>(i0, i1, L, h, x, y, c,
                                                                   streams, tensor_scales, e4m3);
              });
   };
@@ -896,7 +896,7 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::F32> tensor_amax,
                             ffi::Buffer<ffi::F32> signs, ffi::ResultBuffer<ffi::F32> y,
                             int32_t kind, int32_t scale_mode, int32_t mbits, int32_t emin,
-                            int32_t emax, float max, float gain, int32_t stochastic,
+                            int32_t emax, float max, float prescale, int32_t stochastic,
                             int32_t has_tensor_amax, int64_t outer, int64_t a_len,
                             int64_t a_pad, int64_t mid, int64_t c_len, int64_t c_pad,
                             int64_t inner, int64_t block_a, int64_t block_c, int32_t hadamard,
@@ -937,8 +937,8 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   Config c{static_cast<Kind>(kind),
            static_cast<ScaleMode>(scale_mode),
            Grid(mbits, emin, emax, max),
-           gain,
-           gain != 1.0f,
+           prescale,
+           prescale != 1.0f,
            stochastic != 0,
            has_tensor_amax != 0};
   const Grid e4m3(3, -6, 8, kE4M3Max);
@@ -964,16 +964,16 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     }
   }
 
-  // The runtime kind, rounding and gain pick one of the compiled instantiations.
-  auto run = [&](auto kind, auto sr, auto gain) {
-    Dispatch<decltype(kind)::value, decltype(sr)::value, decltype(gain)::value>(
+  // The runtime kind, rounding and prescale pick one of the compiled instantiations.
+  auto run = [&](auto kind, auto sr, auto prescale) {
+    Dispatch<decltype(kind)::value, decltype(sr)::value, decltype(prescale)::value>(
         pool, L, h, nbatch, xp, yp, c, streams.data(), tensor_scales.data(), e4m3);
   };
-  auto with_gain = [&](auto kind, auto sr) {
-    c.has_gain ? run(kind, sr, std::true_type{}) : run(kind, sr, std::false_type{});
+  auto with_prescale = [&](auto kind, auto sr) {
+    c.has_prescale ? run(kind, sr, std::true_type{}) : run(kind, sr, std::false_type{});
   };
   auto with_rounding = [&](auto kind) {
-    c.stochastic ? with_gain(kind, std::true_type{}) : with_gain(kind, std::false_type{});
+    c.stochastic ? with_prescale(kind, std::true_type{}) : with_prescale(kind, std::false_type{});
   };
   switch (c.kind) {
     case kMxInt:
@@ -1004,7 +1004,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitFakeQuantize, FakeQuantizeImpl,
                                   .Attr<int32_t>("emin")
                                   .Attr<int32_t>("emax")
                                   .Attr<float>("max")
-                                  .Attr<float>("gain")
+                                  .Attr<float>("prescale")
                                   .Attr<int32_t>("stochastic")
                                   .Attr<int32_t>("has_tensor_amax")
                                   .Attr<int64_t>("outer")

@@ -8,27 +8,26 @@
 ((128, 32), (128, 2))
 
 With ``hadamard=b`` the kernel quantizes lowbit's blockwise Hadamard transform of ``x`` along
-the quantized axis, computed on the tile it loaded; with ``gain`` (a recipe's ``prescale``)
-the codes hold the elements times the gain (divide dequantized values by it):
+the quantized axis, computed on the tile it loaded; with a ``prescale`` (a recipe's
+``QuantSpec.prescale``) the codes hold the elements times it (divide dequantized values by it):
 
 >>> from lowbit.hadamard import random_signs
 >>> import jax
 >>> s = random_signs(jax.random.key(0), 32)
->>> q = quantize(x, "mxfp4", axis=0, hadamard=32, signs=s, gain=0.75, implementation="xla")
+>>> q = quantize(x, "mxfp4", axis=0, hadamard=32, signs=s, prescale=0.75, implementation="xla")
 >>> q.codes.shape
 (128, 32)
 """
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from lowbit import formats as _formats
-from lowbit.qarray import ROUNDINGS, SCALE_MODES, QArray
+from lowbit.implementation import Implementation
+from lowbit.plan import make_plan
+from lowbit.qarray import QArray
 from pallas_kernels._common import format_unsupported, select_implementation
 from pallas_kernels.quantize.config import Config, get_default
 from pallas_kernels.quantize.kernel import check_hadamard, quantize_pallas
@@ -50,13 +49,15 @@ def quantize(
     tensor_amax=None,
     hadamard: int | None = None,
     signs: jax.Array | None = None,
-    gain: float = 1.0,
-    implementation: str | None = None,
+    prescale: float = 1.0,
+    implementation: str | None | Implementation = None,
     config: Config | None = None,
     interpret: bool = False,
 ) -> QArray:
     """Quantize the matrix ``x [R, C]`` along ``axis`` (0 or -1) to ``fmt``; a ``QArray``
-    identical to ``lowbit.quantize(x, fmt, axis, ...)`` (see below for ``hadamard``, ``gain``).
+    identical to ``lowbit.quantize(x, fmt, axis, ...)`` (see below for ``hadamard``,
+    ``prescale``). The options are checked once, into a ``lowbit.qarray.Plan`` (the one
+    validated description of the quantizer) that the kernel takes.
 
     Args:
       x: 2-D float32, bfloat16 or float16 matrix.
@@ -72,11 +73,11 @@ def quantize(
         wherever that form's arithmetic is exact (to float32 rounding elsewhere).
       signs: the ``[hadamard]`` vector of +-1 of a randomised transform (e.g.
         ``lowbit.hadamard.random_signs``), or None.
-      gain: a static positive float, the plan gain of ``lowbit.qarray.make_plan(...,
-        gain=gain)`` (a recipe's ``QuantSpec.prescale``): block scales are chosen from the
-        (transformed) input, the scaled elements multiplied by ``gain`` before rounding, so
-        the codes hold the gained elements; ``lowbit.qarray.ungain`` (divide by ``gain``)
-        the dequantized values. Bit-identical to ``lowbit.qarray.quantize_with_plan``.
+      prescale: a static positive float, ``lowbit.qarray.Plan.prescale`` (a recipe's
+        ``QuantSpec.prescale``): block scales are chosen from the (transformed) input, the
+        scaled elements multiplied by ``prescale`` before rounding, so the codes hold the
+        prescaled elements; ``lowbit.qarray.undo_prescale`` divides the dequantized values
+        by it. Bit-identical to ``lowbit.qarray.quantize_with_plan``.
       implementation: ``"xla"`` (the reference), ``"pallas"`` (the kernel; falls back to the
         reference with a warning when it cannot run), or None (the kernel on a GPU).
       config: the kernel's tile (default: :func:`get_default`).
@@ -92,38 +93,15 @@ def quantize(
         )
     if axis not in (-2, -1, 0, 1):
         raise ValueError(f"axis must be 0 or -1 (or 1, -2) for a matrix, got {axis}")
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    if rounding == "stochastic" and key is None:
-        raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
-    if not fmt.is_nv:
-        if scale_mode is not None and scale_mode not in SCALE_MODES:
-            raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
-        if tensor_amax is not None:
-            raise ValueError(
-                f"tensor_amax applies only to formats with an amax tensor scale (NVFP4, INT4), "
-                f"not to {fmt.name}"
-            )
-    else:
-        if scale_mode not in (None, "nvfp4"):
-            raise ValueError(
-                f"scale_mode={scale_mode!r} does not apply to {fmt.name}: its block scales are "
-                "E4M3 values rounded to nearest even"
-            )
-        if tensor_amax is not None and not isinstance(tensor_amax, jax.core.Tracer):
-            ta = np.asarray(tensor_amax)
-            if ta.shape != () or not np.isfinite(ta) or ta < 0:
-                raise ValueError(
-                    f"tensor_amax must be a finite non-negative scalar, got {tensor_amax}"
-                )
     ax = axis % 2
-    check_hadamard(x.shape, ax, hadamard, signs, gain)
+    check_hadamard(x.shape, ax, hadamard, signs)
+    plan = make_plan(x.shape, fmt, ax, None, scale_mode, rounding, key, tensor_amax, prescale)
     if config is not None:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a quantize.Config, got {type(config).__name__}")
         config.check(fmt, ax, hadamard)
-    n_padded = x.shape[1 - ax] * math.ceil(x.shape[ax] / fmt.block_size) * fmt.block_size
-    if rounding == "stochastic" and n_padded >= 2**32:
+    n_padded = x.shape[1 - ax] * plan.padded[0]
+    if plan.stochastic and n_padded >= 2**32:
         raise ValueError(f"stochastic rounding supports fewer than 2**32 elements, got {n_padded}")
 
     unsupported = format_unsupported(fmt)
@@ -145,21 +123,11 @@ def quantize(
             tensor_amax=tensor_amax,
             hadamard=hadamard,
             signs=signs,
-            gain=gain,
+            prescale=plan.prescale,
         )
     if config is None:
         config = get_default(x.shape, fmt, ax, hadamard)
     return quantize_pallas(
-        x,
-        fmt,
-        ax,
-        rounding=rounding,
-        key=key,
-        scale_mode=scale_mode,
-        tensor_amax=tensor_amax,
-        config=config,
-        interpret=interpret,
-        hadamard=hadamard,
+        x, plan, key, tensor_amax, config=config, interpret=interpret, hadamard=hadamard,
         signs=signs,
-        gain=gain,
     )

@@ -3,7 +3,7 @@
     python -m pallas_kernels.quantize.bench                       # 8192 x 8192 bf16, all formats
     python -m pallas_kernels.quantize.bench --shape 16,8192 --formats mxfp4,nvfp4 --axis 0
     python -m pallas_kernels.quantize.bench --formats mxfp4 --rounding stochastic \
-        --hadamard 32 --gain 0.75                                 # a fused Hadamard and gain
+        --hadamard 32 --prescale 0.75                             # a fused Hadamard and prescale
 
 Needs a GPU for the kernel; elsewhere it times the reference only. Prints microseconds, GB/s
 (input read plus packed output written) and the kernel's speed-up over the reference, after
@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounding", default="nearest", choices=["nearest", "stochastic"])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--hadamard", type=int, default=None, help="fused Hadamard block (16..256)")
-    p.add_argument("--gain", type=float, default=1.0, help="prescale gain")
+    p.add_argument("--prescale", type=float, default=1.0, help="a recipe's QuantSpec.prescale")
     args = p.parse_args(argv)
     shape = tuple(int(s) for s in args.shape.split(","))
     key = jax.random.key(0)
@@ -43,11 +43,11 @@ def main(argv=None) -> None:
     gpu = on_gpu()
     print(
         f"{jax.default_backend()}: quantize {shape} {args.dtype} axis={args.axis} "
-        f"{args.rounding} hadamard={args.hadamard} gain={args.gain}"
+        f"{args.rounding} hadamard={args.hadamard} prescale={args.prescale}"
         + ("" if gpu else " (no GPU: reference only)")
     )
     for fmt in args.formats.split(","):
-        kw = dict(rounding=args.rounding, gain=args.gain)
+        kw = dict(rounding=args.rounding, prescale=args.prescale)
         if args.hadamard is not None:
             kw.update(hadamard=args.hadamard, signs=random_signs(key, args.hadamard))
         ref = jax.jit(lambda x, k, f=fmt, kw=kw: quantize_reference(x, f, args.axis, key=k, **kw))

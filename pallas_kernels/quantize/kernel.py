@@ -5,7 +5,7 @@ in registers when the blocks run along axis 0, optionally applies lowbit's block
 (randomised) Hadamard transform along the quantized axis to the tile it holds, and writes the
 tile's packed codes and block scales in ``lowbit.quantize``'s layout (quantized axis last):
 block amax as an integer max of the bit patterns, shared exponent or E4M3 scale, scaling, an
-optional gain, saturation, rounding (nearest even, or stochastic with lowbit's counter hash of
+optional prescale, saturation, rounding (nearest even, or stochastic with lowbit's counter hash of
 each element's flat index in that layout), element codes, packing (two FP4 codes a byte low
 nibble first; four FP6 codes in three bytes, written with three stride-3 stores; one byte for
 FP8 and INT8). NVFP4's tensor amax is one reduction before the kernel (it needs the whole
@@ -13,7 +13,7 @@ tensor): an XLA reduction of ``x``, or, with a Hadamard transform, a small Palla
 transforms each tile the same way and writes its finite maximum.
 
 The result is bit-identical to ``lowbit.quantize`` (``lowbit.qarray.quantize_with_plan`` with
-the plan's ``gain``; tests/test_pallas_quantize.py); the numerics are lowbit's own, with the
+the plan's ``prescale``; tests/test_pallas_quantize.py); the numerics are lowbit's own, with the
 substitutes in :mod:`pallas_kernels._numerics`. Shapes that are not multiples of the tile are
 zero-padded before the kernel and the outputs sliced (zeros quantize to zero codes, as lowbit's
 own padding does).
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +46,7 @@ from lowbit import formats as _formats
 from lowbit.formats import E4M3
 from lowbit.hadamard import BLOCK_SIZES as HADAMARD_SIZES
 from lowbit.numerics import hash_constants, hashed_bits, pow2
+from lowbit.plan import Plan
 from lowbit.qarray import E8M0_NAN, UE4M3_NAN, QArray, mx_scale_exponent, nvfp4_tensor_scale
 from pallas_kernels import _numerics as nx
 from pallas_kernels._common import round_up
@@ -55,8 +55,8 @@ from pallas_kernels.quantize.config import Config
 __all__ = ["quantize_pallas", "hadamard_rows", "check_hadamard"]
 
 
-def check_hadamard(x_shape, axis: int, hadamard, signs, gain) -> None:
-    """Raise ValueError for a Hadamard block, signs or gain the kernel cannot take."""
+def check_hadamard(x_shape, axis: int, hadamard, signs) -> None:
+    """Raise ValueError for a Hadamard block or signs the kernel cannot take."""
     if hadamard is None:
         if signs is not None:
             raise ValueError("signs apply only with a Hadamard transform: pass hadamard=b")
@@ -70,10 +70,6 @@ def check_hadamard(x_shape, axis: int, hadamard, signs, gain) -> None:
             )
         if signs is not None and tuple(np.shape(signs)) != (hadamard,):
             raise ValueError(f"signs must have shape ({hadamard},), got {np.shape(signs)}")
-    if isinstance(gain, (jax.Array, bool)) or not isinstance(gain, numbers.Real):
-        raise TypeError(f"gain must be a Python float (static), got {gain!r}")
-    if not (math.isfinite(gain) and gain > 0):
-        raise ValueError(f"gain must be a finite positive float, got {gain}")
 
 
 def hadamard_rows(v: jax.Array, b: int, signs: jax.Array | None = None) -> jax.Array:
@@ -130,7 +126,7 @@ def _kernel(
     hadamard,
     has_signs,
     valid,
-    gain,
+    prescale,
 ):
     it = iter(refs)
     x_ref = next(it)
@@ -179,8 +175,8 @@ def _kernel(
         v = xb * pow2(d_hi)
         if elem.emax == 0:  # MX INT8 can need 2**-e == 2**-127
             v = v * pow2(-e - d_hi)
-        if gain != 1.0:
-            v = v * np.float32(gain)
+        if prescale != 1.0:
+            v = v * np.float32(prescale)
     else:  # NVFP4
         div = functools.partial(nx.ieee_div, interpret=interpret)
         t = t_ref[0]
@@ -191,8 +187,8 @@ def _kernel(
         inv_t = div(jnp.full(s.shape, 1.0, jnp.float32), jnp.broadcast_to(t, s.shape))
         r = jnp.where(live, div(inv_t, jnp.where(live, s, 1.0)), 0.0)
         v = xb * r
-        if gain != 1.0:
-            v = v * np.float32(gain)
+        if prescale != 1.0:
+            v = v * np.float32(prescale)
         v = jnp.where(r > 0, v, np.float32(0))
         scode = jnp.where(finite, nx.encode(s, E4M3), UE4M3_NAN)
     q = nx.round_to_grid(v, elem, rbits, saturate=True)
@@ -243,7 +239,7 @@ def _finite_amax(x: jax.Array) -> jax.Array:
         "config",
         "interpret",
         "hadamard",
-        "gain",
+        "prescale",
     ),
 )
 def _quantize(
@@ -259,7 +255,7 @@ def _quantize(
     config,
     interpret,
     hadamard,
-    gain,
+    prescale,
 ):
     fmt = _formats.get(fmt)
     bs = fmt.block_size
@@ -328,7 +324,7 @@ def _quantize(
         hadamard=hadamard,
         has_signs=has_signs,
         valid=valid,
-        gain=gain,
+        prescale=prescale,
     )
     name = f"quantize_{fmt.name}_axis{axis}" + (f"_hadamard{hadamard}" if hadamard else "")
     codes, scales = pl.pallas_call(
@@ -356,50 +352,47 @@ def _quantize(
 
 def quantize_pallas(
     x: jax.Array,
-    fmt,
-    axis: int = -1,
-    *,
-    rounding: str = "nearest",
+    plan: Plan,
     key: jax.Array | None = None,
-    scale_mode: str | None = None,
     tensor_amax=None,
+    *,
     config: Config,
     interpret: bool = False,
     hadamard: int | None = None,
     signs: jax.Array | None = None,
-    gain: float = 1.0,
 ) -> QArray:
-    """The kernel on validated arguments (see :func:`pallas_kernels.quantize.quantize`).
+    """The kernel for a checked ``plan`` (``lowbit.qarray.make_plan`` of the 2-D ``x``, 1-D
+    blocks of the format's own size along axis 0 or 1): the format, scale rule, rounding and
+    prescale all come from the plan (see :func:`pallas_kernels.quantize.quantize`).
 
     ``hadamard``, ``signs``: quantize ``hadamard_transform(x, hadamard, signs=signs,
-    axis=axis)``, transformed inside the kernel. ``gain``: the plan gain of
-    ``lowbit.qarray.make_plan(..., gain=gain)`` (codes hold the gained elements; divide
-    dequantized values by it).
+    axis=axis)``, transformed inside the kernel. With ``plan.prescale`` the codes hold the
+    prescaled elements (divide dequantized values by it: ``lowbit.qarray.undo_prescale``).
     """
-    fmt = _formats.get(fmt)
-    axis = axis % 2
-    check_hadamard(x.shape, axis, hadamard, signs, gain)
+    fmt = plan.fmt
+    if len(plan.shape) != 2 or plan.block_shape != (fmt.block_size,) or plan.shape != x.shape:
+        raise ValueError(
+            f"the quantize kernel takes a plan of a 2-D matrix with 1-D blocks of "
+            f"{fmt.name}'s own size ({fmt.block_size},), got block_shape {plan.block_shape} "
+            f"over axes {plan.axes} of shape {plan.shape} for x of shape {x.shape}"
+        )
+    (axis,) = plan.axes
+    check_hadamard(x.shape, axis, hadamard, signs)
     config.check(fmt, axis, hadamard)
-    stochastic = rounding == "stochastic"
-    key_consts = jnp.stack(hash_constants(key)) if stochastic else None
-    if fmt.is_mx:
-        scale_mode = "floor" if scale_mode is None else scale_mode
-        tensor_amax = None
-    else:
-        scale_mode = None
+    key_consts = jnp.stack(hash_constants(key)) if plan.stochastic else None
     codes, scales, t = _quantize(
         x,
         key_consts,
-        tensor_amax,
+        tensor_amax if fmt.tensor_scale else None,
         None if signs is None else jnp.asarray(signs),
         fmt=fmt.name,
         axis=axis,
-        stochastic=stochastic,
-        scale_mode=scale_mode,
+        stochastic=plan.stochastic,
+        scale_mode=plan.scale_mode if fmt.is_mx else None,
         config=config,
         interpret=interpret,
         hadamard=hadamard,
-        gain=float(gain),
+        prescale=plan.prescale,
     )
     return QArray(
         codes=codes,

@@ -2,7 +2,8 @@
 
 ``quantize_reference(x, fmt, axis, ...)`` is ``lowbit.quantize`` itself, preceded, with
 ``hadamard=b``, by ``lowbit.hadamard.hadamard_transform(x, b, signs=signs, axis=axis)``, and
-with a ``gain`` by ``lowbit.qarray.quantize_with_plan`` for ``make_plan(..., gain=gain)``. The
+with a ``prescale`` by ``lowbit.qarray.quantize_with_plan`` for ``make_plan(...,
+prescale=prescale)``. The
 kernel must return the very same :class:`lowbit.qarray.QArray` (codes, scales, tensor scale,
 bit for bit) for a 2-D input quantized along axis 0 or 1 with 1-D blocks: always without a
 Hadamard transform, and with one where the transform's arithmetic is exact or where the
@@ -17,21 +18,22 @@ import jax
 
 from lowbit import formats as _formats
 from lowbit.hadamard import hadamard_transform
-from lowbit.qarray import QArray, make_plan, quantize_with_plan
+from lowbit.plan import make_plan
+from lowbit.qarray import QArray, quantize_with_plan
 
 __all__ = ["quantize_reference"]
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("fmt", "axis", "rounding", "scale_mode", "hadamard", "method", "gain"),
+    static_argnames=("fmt", "axis", "rounding", "scale_mode", "hadamard", "method", "prescale"),
 )
 def _quantize_jit(
-    x, key, tensor_amax, signs, *, fmt, axis, rounding, scale_mode, hadamard, method, gain
+    x, key, tensor_amax, signs, *, fmt, axis, rounding, scale_mode, hadamard, method, prescale
 ):
     if hadamard is not None:
         x = hadamard_transform(x, hadamard, signs=signs, axis=axis, method=method)
-    plan = make_plan(x.shape, fmt, axis, None, scale_mode, rounding, key, tensor_amax, gain=gain)
+    plan = make_plan(x.shape, fmt, axis, None, scale_mode, rounding, key, tensor_amax, prescale)
     return quantize_with_plan(x, plan, key, tensor_amax)
 
 
@@ -46,11 +48,11 @@ def quantize_reference(
     tensor_amax=None,
     hadamard: int | None = None,
     signs: jax.Array | None = None,
-    gain: float = 1.0,
+    prescale: float = 1.0,
     hadamard_method: str | None = None,
 ) -> QArray:
     """``lowbit.quantize(hadamard_transform(x, hadamard, signs=signs, axis=axis), fmt, axis,
-    ...)`` with 1-D blocks of the format's size and the plan gain ``gain`` (jitted).
+    ...)`` with 1-D blocks of the format's size and the plan prescale ``prescale`` (jitted).
 
     ``hadamard_method``: ``hadamard_transform``'s ``method`` (None: lowbit's default for the
     backend; ``"butterfly"``: the kernel's arithmetic).
@@ -67,5 +69,5 @@ def quantize_reference(
         scale_mode=scale_mode,
         hadamard=hadamard,
         method=hadamard_method,
-        gain=float(gain),
+        prescale=float(prescale),
     )

@@ -4,13 +4,14 @@ block-scaled matmul kernel on the packed codes.
 Each quantized operand goes through ``pallas_kernels.quantize`` along K (``a`` along axis 1,
 ``b`` along axis 0; bit-exact with lowbit's quantizer, stochastic rounding included). The
 GEMM's Hadamard transform runs inside that kernel, on the tile it loaded (lowbit's fixed-order
-butterfly), and a recipe's ``prescale`` is the kernel's ``gain``: the codes hold the gained
-elements and the matmul's float32 result is divided by the two gains. Two cases transform in
-XLA first (the same ``lowbit.hadamard`` call as the emulation): a high-precision (None)
+butterfly), and a recipe's ``prescale`` goes with the operand's checked quantization plan
+(``lowbit.operand.spec_plan``, the plan the XLA path quantizes with): the codes hold the
+prescaled elements and the matmul's float32 result is divided by the two prescales. Two cases
+transform in XLA first (the same ``lowbit.hadamard`` call as the emulation): a high-precision (None)
 operand, which enters the matmul in float32 (the weight-only GEMM), and a ``clip_rms`` spec,
 whose RMS clip (XLA) reads the transformed operand. It matches the emulation to
 float32-accumulation tolerance: the quantized values are the same, only the order of the
-float32 sums, where NVFP4's tensor scale and the gains are applied, and (on inputs where the
+float32 sums, where NVFP4's tensor scale and the prescales are applied, and (on inputs where the
 transform's float32 arithmetic is inexact) the butterfly's against the dense form's rounding
 differ.
 """
@@ -21,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from lowbit import formats as _formats
-from lowbit.operand import clip_to_rms, hadamard_along
-from lowbit.qarray import ungain
+from lowbit.operand import clip_to_rms, hadamard_along, spec_plan
+from lowbit.qarray import undo_prescale
 from lowbit.recipes import QuantSpec
 from pallas_kernels._common import format_unsupported, is_pow2
 from pallas_kernels.block_scaled_matmul import get_default as _matmul_default
@@ -72,8 +73,6 @@ def _spec_unsupported(spec: QuantSpec | None, name: str) -> str | None:
         return f"{name}: block size {fmt.block_size} is not a power of two >= 16"
     if fmt.elem.bits not in (4, 6, 8):
         return f"{name}: {fmt.elem.bits}-bit elements (the kernels pack 4, 6 or 8 bits)"
-    if fmt.tensor_scale and spec.scale_mode not in (None, "nvfp4"):
-        return f"{name}: scale_mode={spec.scale_mode!r} does not apply to {fmt.name}"
     return None
 
 
@@ -84,7 +83,7 @@ def kernel_supports(spec_a: QuantSpec | None, spec_b: QuantSpec | None) -> tuple
     (``granularity="tensor"``), 2-D ``block_shape`` tiles, a 1-D block other than the
     format's own, a static ``amax`` (calibrated, post-training quantization), and two
     high-precision (None) operands (no quantized operand at all).
-    Supported with every rounding, scale mode, ``prescale`` gain, ``clip_rms`` and Hadamard
+    Supported with every rounding, scale mode, ``prescale``, ``clip_rms`` and Hadamard
     transform.
     """
     for spec, name in ((spec_a, "spec_a"), (spec_b, "spec_b")):
@@ -107,19 +106,15 @@ def _kernel_operand(x, spec: QuantSpec | None, axis: int, key, interpret: bool, 
         x = hadamard_along(x, axis, hadamard, signs)
         hadamard = signs = None
     x = clip_to_rms(x, spec, axis)
-    fmt = _formats.get(spec.format)
+    plan = spec_plan(spec, x.shape, axis, key)
     return quantize_pallas(
         x,
-        fmt,
-        axis,
-        rounding=spec.rounding,
-        key=key if spec.stochastic else None,
-        scale_mode=spec.scale_mode if fmt.is_mx else None,
-        config=_quantize_default(x.shape, fmt, axis, hadamard),
+        plan,
+        key if plan.stochastic else None,
+        config=_quantize_default(x.shape, plan.fmt, axis, hadamard),
         interpret=interpret,
         hadamard=hadamard,
         signs=signs,
-        gain=spec.prescale,
     )
 
 
@@ -134,7 +129,7 @@ def quantized_gemm_pallas(a, b, key_a, key_b, *, spec_a, spec_b, hadamard=None, 
         m, n, k, block_sizes=blocks, high_precision_f32=spec_a is None or spec_b is None
     )
     c = matmul_pallas(qa, qb, config=config, out_dtype=jnp.float32, interpret=interpret)
-    for spec in (spec_a, spec_b):  # the codes hold gained elements: undo each gain once
+    for spec in (spec_a, spec_b):  # the codes hold prescaled elements: undo each once
         if spec is not None and spec.prescale != 1.0:
-            c = ungain(c, spec.prescale)
+            c = undo_prescale(c, spec.prescale)
     return c

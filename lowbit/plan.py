@@ -1,0 +1,231 @@
+"""How to quantize a tensor, checked once: the :class:`Plan` that every implementation takes.
+
+A plan holds the block format, the blocking of the tensor (quantized axes, block shape, the
+permutation to storage order, the padded extents) and the quantizer's options, resolved:
+the scale rule (:func:`scale_mode_of`, the one place a scale mode is checked and
+defaulted), the rounding and the prescale. :func:`make_plan` is its only maker; lowbit's XLA
+path (``lowbit.qarray``), the compiled CPU kernel (``lowbit.native`` derives its FFI
+attributes from the plan) and the Pallas quantize kernel (``pallas_kernels.quantize``) all
+take a plan and none checks or defaults an option again: a new quantizer option is a field
+here and a branch in the implementations that compute it.
+
+>>> from lowbit.plan import make_plan
+>>> p = make_plan((4, 64), "mxfp4", -1, None, None, "nearest", None, None)
+>>> p.block_shape, p.padded, p.scale_mode
+((32,), (64,), 'floor')
+>>> make_plan((4, 64), "nvfp4", -1, None, None, "nearest", None, None).scale_mode
+'nvfp4'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax
+import numpy as np
+
+from lowbit import formats as _formats
+from lowbit.formats import BlockFormat
+
+__all__ = ["Plan", "make_plan", "scale_mode_of", "check_prescale", "SCALE_MODES", "ROUNDINGS"]
+
+SCALE_MODES = ("floor", "ceil", "even", "rceil")
+"""The MX shared-exponent rules (OCP MX v1.0's is ``"floor"``)."""
+ROUNDINGS = ("nearest", "stochastic")
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The one validated description of how to quantize a tensor (made by :func:`make_plan`):
+    the XLA path, the compiled CPU kernel (``lowbit.native`` derives its FFI attributes from
+    it) and the Pallas quantize kernel (``pallas_kernels.quantize``) all take it, and none
+    checks or defaults an option again.
+
+    Attributes:
+      fmt: the block format.
+      shape: the tensor's shape.
+      axes: the quantized axes, non-negative, in block order.
+      block_shape: the block extent along each of ``axes``.
+      perm: the permutation that moves ``axes`` to the end.
+      padded: the padded extent of each quantized axis (a block multiple).
+      scale_mode: resolved (:func:`scale_mode_of`): ``"floor"``, ``"ceil"``, ``"even"``,
+        ``"rceil"`` (MX), ``"nvfp4"`` (E4M3 block scales, NVFP4 and INT4) or ``"absmean"``.
+      stochastic: stochastic rounding (the caller passes the key) instead of nearest-even.
+      prescale: the scaled elements are multiplied by this before rounding, the values
+        divided by it after (:func:`undo_prescale`); a recipe's ``QuantSpec.prescale``.
+    """
+
+    fmt: BlockFormat
+    shape: tuple[int, ...]
+    axes: tuple[int, ...]
+    block_shape: tuple[int, ...]
+    perm: tuple[int, ...]
+    padded: tuple[int, ...]
+    scale_mode: str
+    stochastic: bool
+    prescale: float = 1.0
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        """The tensor's shape with each quantized axis zero-padded to a block multiple."""
+        pad = dict(zip(self.axes, self.padded, strict=True))
+        return tuple(pad.get(i, d) for i, d in enumerate(self.shape))
+
+    @property
+    def blocked_shape(self) -> tuple[int, ...]:
+        """The padded shape with each quantized axis split in place into (blocks, block):
+        blocks are formed where they lie, with no transpose."""
+        blk = dict(zip(self.axes, self.block_shape, strict=True))
+        dims: tuple[int, ...] = ()
+        for i, d in enumerate(self.padded_shape):
+            dims += (d // blk[i], blk[i]) if i in blk else (d,)
+        return dims
+
+    @property
+    def block_axes(self) -> tuple[int, ...]:
+        """Positions of the in-block dims in :attr:`blocked_shape`."""
+        out, pos = [], 0
+        for i in range(len(self.shape)):
+            if i in self.axes:
+                out.append(pos + 1)
+                pos += 2
+            else:
+                pos += 1
+        return tuple(out)
+
+    @property
+    def moves_axes(self) -> bool:
+        return self.perm != tuple(range(len(self.shape)))
+
+
+def _normalize_axes(axis, ndim: int, nblock: int) -> tuple[int, ...]:
+    if isinstance(axis, (int, np.integer)):
+        axis = int(axis)
+        if nblock == 2:
+            if axis not in (-1, ndim - 1):
+                raise ValueError(
+                    f"a 2-D block_shape needs axis=(a0, a1) naming the two tiled axes, got "
+                    f"axis={axis}; the default tiles the last two axes"
+                )
+            axes: tuple[int, ...] = (-2, -1)
+        else:
+            axes = (axis,)
+    else:
+        axes = tuple(int(a) for a in axis)
+    if len(axes) != nblock:
+        raise ValueError(
+            f"axis={axis} names {len(axes)} axes but block_shape has {nblock} entries"
+        )
+    out = []
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"axis {a} is out of range for an array of rank {ndim}")
+        out.append(a % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"axis={axis} repeats an axis")
+    return tuple(out)
+
+
+def scale_mode_of(fmt: BlockFormat, scale_mode: str | None) -> str:
+    """The scale rule of ``fmt`` that ``scale_mode`` asks for (None: the format's default),
+    or a ValueError: MX formats take :data:`SCALE_MODES` (default ``"floor"``, OCP MX v1.0);
+    NVFP4 and INT4 only their E4M3 rule (``"nvfp4"``); ternary only its mean |x|
+    (``"absmean"``). The one place a scale mode is checked and defaulted."""
+    if fmt.is_absmean:
+        if scale_mode not in (None, "absmean"):
+            raise ValueError(
+                f"scale_mode={scale_mode!r} does not apply to {fmt.name}: its one scale is the "
+                "tensor's mean |x|"
+            )
+        return "absmean"
+    if fmt.tensor_scale:
+        if scale_mode not in (None, "nvfp4"):
+            raise ValueError(
+                f"scale_mode={scale_mode!r} does not apply to {fmt.name}: its block scales are "
+                "E4M3 values rounded to nearest even"
+            )
+        return "nvfp4"
+    scale_mode = "floor" if scale_mode is None else scale_mode
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+    return scale_mode
+
+
+def check_prescale(prescale, name: str = "prescale") -> float:
+    """``prescale`` as a float if it is a static finite positive number, else an error."""
+    if isinstance(prescale, (jax.Array, bool, np.ndarray)) or not isinstance(
+        prescale, numbers.Real
+    ):
+        raise TypeError(f"{name} must be a Python float (static), got {prescale!r}")
+    if not (math.isfinite(prescale) and prescale > 0):
+        raise ValueError(f"{name} must be a finite positive float, got {prescale}")
+    return float(prescale)
+
+
+def _check_tensor_amax(fmt: BlockFormat, tensor_amax) -> None:
+    if fmt.is_absmean:
+        if tensor_amax is not None:
+            raise ValueError(
+                f"tensor_amax applies to amax-scaled tensor scales (NVFP4, INT4), not to "
+                f"{fmt.name}, whose scale is the tensor's mean |x|"
+            )
+    elif fmt.tensor_scale:
+        if tensor_amax is not None and not isinstance(tensor_amax, jax.core.Tracer):
+            ta = np.asarray(tensor_amax)
+            if ta.shape != () or not np.isfinite(ta) or ta < 0:
+                raise ValueError(
+                    f"tensor_amax must be a finite non-negative scalar, got {tensor_amax}"
+                )
+    elif tensor_amax is not None:
+        raise ValueError(
+            f"tensor_amax applies only to formats with an amax tensor scale (NVFP4, INT4), "
+            f"not to {fmt.name}"
+        )
+
+
+def make_plan(
+    shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax,
+    prescale: float = 1.0,
+) -> Plan:
+    """The checked :class:`Plan` for quantizing an array of ``shape`` to ``fmt`` along
+    ``axis`` (a pair of axes for a 2-D ``block_shape``); the other arguments as in
+    :func:`quantize` (``key`` and ``tensor_amax`` are checked, not kept), ``prescale`` as in
+    :attr:`Plan.prescale`."""
+    fmt = _formats.get(fmt)
+    ndim = len(shape)
+    if block_shape is None:
+        block_shape = (fmt.block_size,)
+    if isinstance(block_shape, (int, np.integer)):
+        block_shape = (int(block_shape),)
+    block_shape = tuple(int(b) for b in block_shape)
+    if len(block_shape) not in (1, 2) or any(b < 1 for b in block_shape):
+        raise ValueError(
+            f"block_shape must be None, (b,) or (b0, b1) with positive entries, got {block_shape}"
+        )
+    if len(block_shape) > ndim:
+        raise ValueError(
+            f"block_shape={block_shape} is a {len(block_shape)}-D tile but x has rank {ndim}"
+        )
+    n_pack, _ = fmt.elem.pack_group
+    if block_shape[-1] % n_pack:
+        raise ValueError(
+            f"block_shape={block_shape}: the last block extent must be a multiple of {n_pack} "
+            f"to pack {fmt.name} codes into bytes ({n_pack} codes per packing group)"
+        )
+    axes = _normalize_axes(axis, ndim, len(block_shape))
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    stochastic = rounding == "stochastic"
+    if stochastic and key is None:
+        raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
+    scale_mode = scale_mode_of(fmt, scale_mode)
+    _check_tensor_amax(fmt, tensor_amax)
+    prescale = check_prescale(prescale)
+    other = tuple(i for i in range(ndim) if i not in axes)
+    padded = tuple(-(-shape[a] // b) * b for a, b in zip(axes, block_shape, strict=True))
+    return Plan(fmt, tuple(shape), axes, block_shape, other + axes, padded, scale_mode,
+                 stochastic, prescale)
