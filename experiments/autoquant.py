@@ -22,7 +22,7 @@ config) this study
    = 16), saves the plans (``plans/<method>-<bits>.json``, loadable by
    ``--config.quant.plan``) and measures each by post-training quantization
    (:func:`lowbit.ptq.simulate` with the plan's rules: weights and activations fake-quantized
-   with dynamic scales) on the validation batches (:func:`experiments.training.evaluate`, as
+   with dynamic scales) on the validation batches (:func:`experiments.runs.evaluate`, as
    the PTQ study evaluates), and on the calibration batches;
 3. measures the architecture presets (:func:`lowbit.autoquant.heuristic`: ``all``,
    ``mlp_only``, ``experts_only`` for MoE) for every ``heuristic_low`` x ``heuristic_high``,
@@ -60,7 +60,8 @@ import numpy as np
 import lowbit as lb
 import lowbit.autoquant as aq
 import lowbit.ptq as ptq
-from experiments import compare, studylib, training
+from experiments import compare, runs, studylib
+from experiments.config import RunConfig, fine_tune_config, split_list
 from experiments.configlib import ConfigError
 from experiments.model import loss_fn as gpt_loss_fn
 
@@ -135,14 +136,14 @@ def validate(points: list[dict], methods: list[str]) -> dict:
 
 def _floats(s, field: str) -> list[float]:
     try:
-        return [float(x) for x in training.split_list(s)]
+        return [float(x) for x in split_list(s)]
     except ValueError:
         raise ConfigError(f"config.{field}: expected comma-separated numbers, got {s!r}") from None
 
 
 def _recipes(s, field: str) -> list[str]:
     out = []
-    for n in training.split_list(s):
+    for n in split_list(s):
         try:
             out.append(lb.recipes.get(n).name)
         except ValueError as e:
@@ -185,7 +186,7 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
     """Run the study of the ConfigDict ``c`` (``configs/autoquant.py``); returns the results
     written to ``autoquant.json``."""
     candidates = _recipes(c.candidates, "candidates")
-    methods = training.split_list(c.methods)
+    methods = split_list(c.methods)
     for m in methods:
         if m not in aq.METHODS:
             raise ConfigError(f"config.methods: unknown method {m!r}; expected some of "
@@ -193,12 +194,12 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
     budgets = _floats(c.budgets, "budgets")
     lows = _recipes(c.heuristic_low, "heuristic_low")
     highs = _recipes(c.heuristic_high, "heuristic_high")
-    base_cfg = training.RunConfig.from_config(c.base)
+    base_cfg = RunConfig.from_config(c.base)
     out_dir = Path(c.workdir) / c.name
     (out_dir / "plans").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    float_dir = training.train_or_reuse(base_cfg, log)
-    cfg, model = training.load_trained(float_dir)
+    float_dir = runs.train_or_reuse(base_cfg, log)
+    cfg, model = runs.load_trained(float_dir)
     eval_cfg = cfg
     if int(c.eval_batches):
         eval_cfg = dataclasses.replace(
@@ -206,7 +207,7 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
         )
     batches = [
         {k: jnp.asarray(v) for k, v in b.items()}
-        for b in training.calibration_batches(cfg, int(c.calib_batches), full=True)
+        for b in runs.calibration_batches(cfg, int(c.calib_batches), full=True)
     ]
     groups = MOE_GROUPS if cfg.model.mlp == "moe" else None
 
@@ -221,10 +222,10 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
             key = ("none",)
         if key not in measured:
             m = ptq.simulate(model, rules) if rules else model
-            measured[key] = {"model": m, "val_loss": training.evaluate(eval_cfg, m)["val_loss"]}
+            measured[key] = {"model": m, "val_loss": runs.evaluate(eval_cfg, m)["val_loss"]}
         rec = measured[key]
         if calib and "calib_loss" not in rec:
-            rec["calib_loss"] = training.evaluate(eval_cfg, rec["model"], batches=batches)[
+            rec["calib_loss"] = runs.evaluate(eval_cfg, rec["model"], batches=batches)[
                 "val_loss"
             ]
         return {k: v for k, v in rec.items() if k != "model"}
@@ -332,15 +333,15 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
                 continue
             best = min(at, key=lambda p: p["val_loss"])
             tag = f"{best['method']}-{b:g}"
-            qc = training.fine_tune_config(
+            qc = fine_tune_config(
                 c.base, recipe="none", name=f"{group}/qat-plan-{tag}-s{cfg.seed}",
                 steps=int(c.qat_steps), lr=float(c.qat_lr), init_from=str(float_dir),
                 plan=str(Path(best["plan_file"]).resolve()))
-            qdir = training.train_or_reuse(training.RunConfig.from_config(qc), log)
-            _, qmodel = training.load_trained(qdir)
+            qdir = runs.train_or_reuse(RunConfig.from_config(qc), log)
+            _, qmodel = runs.load_trained(qdir)
             plan = aq.Plan.load(best["plan_file"])
             m = ptq.simulate(qmodel, plan.rules())
-            val = training.evaluate(eval_cfg, m)["val_loss"]
+            val = runs.evaluate(eval_cfg, m)["val_loss"]
             qat.append({"method": best["method"], "budget": b, "bits": best["bits"],
                         "run": str(qdir), "qat_steps": int(c.qat_steps), "val_loss": val,
                         "delta_val": val - fl["val_loss"], "ptq_delta_val": best["delta_val"]})

@@ -31,7 +31,7 @@ if __package__ in (None, ""):
 import lowbit as lb  # noqa: E402
 import lowbit.autoquant as aq  # noqa: E402
 import lowbit.ptq as ptq  # noqa: E402
-from experiments import training  # noqa: E402
+from experiments import runs  # noqa: E402
 from experiments.autoquant import cross_entropy  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -70,10 +70,10 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"--candidates: {e}")
     settings = [("midpoint", n) for n in _ints(a.midpoint, "midpoint")]
     settings += [("gauss", n) for n in _ints(a.gauss, "gauss")]
-    cfg, model = training.load_trained(a.run)
+    cfg, model = runs.load_trained(a.run)
     batches = [
         {k: jnp.asarray(v) for k, v in b.items()}
-        for b in training.calibration_batches(cfg, a.batches, full=True)
+        for b in runs.calibration_batches(cfg, a.batches, full=True)
     ]
     scores, secs = {}, {}
     for rule, n in settings:
@@ -83,11 +83,11 @@ def main(argv: list[str] | None = None) -> dict:
         )
         secs[rule, n] = time.perf_counter() - t
     sites = scores[settings[0]].sites  # no groups: the scored site paths
-    base = training.evaluate(cfg, model, batches=batches)["val_loss"]
+    base = runs.evaluate(cfg, model, batches=batches)["val_loss"]
     measured = {}
     for c in cands:
         m = ptq.simulate(model, [(s, c) for s in sites])
-        measured[c] = training.evaluate(cfg, m, batches=batches)["val_loss"] - base
+        measured[c] = runs.evaluate(cfg, m, batches=batches)["val_loss"] - base
     rows = []
     for (rule, n), s in scores.items():
         for j, c in enumerate(cands, 1):

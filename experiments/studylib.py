@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import training
+from experiments import trainer
 from experiments.configlib import ConfigError
 
 __all__ = ["json_default", "save_figure", "write", "main"]
@@ -73,7 +73,7 @@ def main(
     command = " ".join([f"python -m {module}", *sys.argv[1:]])
     try:
         result = run_study(config)
-    except (ConfigError, ValueError, training.TrainingDiverged) as e:
+    except (ConfigError, ValueError, trainer.TrainingDiverged) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     js, md, png = write_result(result, Path(config.workdir) / config.name, command)

@@ -1,6 +1,7 @@
 """A small vision transformer on scikit-learn's handwritten digits: the second model family of
 the low-bit training experiments (``configs/digits.py``; the loop is
-:mod:`experiments.training`, which dispatches on ``config.family``).
+:mod:`experiments.trainer`, which dispatches on ``config.family`` through
+:mod:`experiments.families`).
 
 Model (:class:`ViT`, Flax NNX): the image is cut into ``patch x patch`` patches, each flattened
 and embedded by an ``nnx.Linear``; a learned position embedding is added; pre-norm transformer
