@@ -419,6 +419,50 @@ def _seed_text(result: dict) -> str:
     return "; ".join(f"{k}: {', '.join(map(str, v))}" for k, v in by_size.items())
 
 
+def _ternary_lines(pts: list[dict]) -> list[str]:
+    """What the study says about ternary weights: on the front or not, and against what."""
+    lines: list[str] = []
+    ternary = [p for p in pts if p["weight_format"] == "ternary"]
+    if not ternary:
+        lines.append("Ternary weights: no ternary recipe in this study.")
+    else:
+        on = [p for p in ternary if p["on_front"]]
+        lines.append(
+            "Ternary weights (BitNet b1.58): "
+            + (
+                f"**on the front** at {', '.join(p['size'] for p in on)}."
+                if on
+                else "**not on the front**: Pareto-suboptimal at every size."
+            )
+        )
+        for p in ternary:
+            rv = p.get("interpolated_rival")
+            if rv is not None:
+                lines.append(
+                    f"- {_where(p)} ({_loss_cell(p)}, {p['memory_mib']:.4f} MiB) against the "
+                    f"best other recipe at the same memory, interpolated between its sizes "
+                    f"(linear in log memory): {rv['recipe']} {rv['loss']:.4f}, ternary "
+                    f"{rv['gap_pct']:+.2f}%."
+                )
+            else:
+                lines.append(
+                    f"- {_where(p)}: no other recipe's sizes bracket its memory "
+                    f"({p['memory_mib']:.4f} MiB), so nothing to set it against there."
+                )
+        for p in ternary:
+            d = p["dominated_by"]
+            if d is not None:
+                rival = next(
+                    q for q in pts if q["size"] == d["size"] and q["recipe"] == d["recipe"]
+                )
+                lines.append(
+                    f"- {_where(p)} ({_loss_cell(p)}, {p['memory_mib']:.4f} MiB) is dominated by "
+                    f"{_where(rival)} ({_loss_cell(rival)}, {rival['memory_mib']:.4f} MiB): "
+                    f"{d['memory_ratio']:.2f}x the memory, {d['loss_gap_pct']:+.2f}% loss."
+                )
+    return lines
+
+
 def render_markdown(result: dict, command: str = "") -> str:
     """The table of every (size, recipe), the front, and what it says about ternary."""
     pts = result["points"]
@@ -475,44 +519,7 @@ def render_markdown(result: dict, command: str = "") -> str:
         + ".",
         "",
     ]
-    ternary = [p for p in pts if p["weight_format"] == "ternary"]
-    if not ternary:
-        lines.append("Ternary weights: no ternary recipe in this study.")
-    else:
-        on = [p for p in ternary if p["on_front"]]
-        lines.append(
-            "Ternary weights (BitNet b1.58): "
-            + (
-                f"**on the front** at {', '.join(p['size'] for p in on)}."
-                if on
-                else "**not on the front**: Pareto-suboptimal at every size."
-            )
-        )
-        for p in ternary:
-            rv = p.get("interpolated_rival")
-            if rv is not None:
-                lines.append(
-                    f"- {_where(p)} ({_loss_cell(p)}, {p['memory_mib']:.4f} MiB) against the "
-                    f"best other recipe at the same memory, interpolated between its sizes "
-                    f"(linear in log memory): {rv['recipe']} {rv['loss']:.4f}, ternary "
-                    f"{rv['gap_pct']:+.2f}%."
-                )
-            else:
-                lines.append(
-                    f"- {_where(p)}: no other recipe's sizes bracket its memory "
-                    f"({p['memory_mib']:.4f} MiB), so nothing to set it against there."
-                )
-        for p in ternary:
-            d = p["dominated_by"]
-            if d is not None:
-                rival = next(
-                    q for q in pts if q["size"] == d["size"] and q["recipe"] == d["recipe"]
-                )
-                lines.append(
-                    f"- {_where(p)} ({_loss_cell(p)}, {p['memory_mib']:.4f} MiB) is dominated by "
-                    f"{_where(rival)} ({_loss_cell(rival)}, {rival['memory_mib']:.4f} MiB): "
-                    f"{d['memory_ratio']:.2f}x the memory, {d['loss_gap_pct']:+.2f}% loss."
-                )
+    lines += _ternary_lines(pts)
     lines += [
         "",
         "Weight memory: every parameter as deployed: each linear kernel that the recipe "
