@@ -30,13 +30,12 @@ import copy
 import dataclasses
 import json
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from experiments import distributed, metrics, runs, trainer
+from experiments import distributed, metrics, runs, studylib
 from experiments.config import RunConfig
 from experiments.configlib import ConfigError
 
@@ -415,20 +414,16 @@ def main(argv: list[str]) -> None:
     recipes = [r for r in _RECIPES.value.split(",") if r]
     seeds = [int(s) for s in _SEEDS.value.split(",") if s]
     noise_seeds = [int(s) for s in _NOISE_SEEDS.value.split(",") if s]
-    command = " ".join(["python -m experiments.compare", *sys.argv[1:]])
-    try:
-        png, md = compare(
-            _CONFIG.value,
-            recipes,
-            seeds,
-            out=_OUT.value,
-            rerun=_RERUN.value,
-            noise_seeds=noise_seeds,
-            command=command,
-        )
-    except (ConfigError, ValueError, trainer.TrainingDiverged) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    png, md = studylib.run_or_exit(
+        compare,
+        _CONFIG.value,
+        recipes,
+        seeds,
+        out=_OUT.value,
+        rerun=_RERUN.value,
+        noise_seeds=noise_seeds,
+        command=studylib.command_line("experiments.compare"),
+    )
     if distributed.is_writer():
         print(md.read_text())
         print(f"figure: {png}\ntable:  {md}")
