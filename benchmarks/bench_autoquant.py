@@ -45,7 +45,8 @@ FULL = dict(d_model=256, layers=4, heads=4, seq_len=128, batch=16)
 QUICK = dict(d_model=64, layers=1, heads=2, seq_len=32, batch=2)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The command line and its methods, checked."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model, 2 rounds")
     p.add_argument("--runs", type=int, default=None, help="rounds (default 5, quick 2)")
@@ -62,6 +63,45 @@ def main(argv: list[str] | None = None) -> dict:
     for m in methods:
         if m not in aq.METHODS:
             p.error(f"--methods: unknown method {m!r}; valid: {aq.METHODS}")
+    return a, methods
+
+
+def _rows(a, methods, t, model, batches, output_fn, n_sites: int) -> list[dict]:
+    """The float step's row and one per method: time per batch over the float step's, and
+    XLA's flop ratio."""
+    k = a.batches
+    f = t["float"].median_s / k
+    rows = [{"what": "float forward+backward", "per_batch_ms": 1e3 * f, "x_float": 1.0}]
+    for m in methods:
+        per = (t[f"{m}_k"].median_s - t[f"{m}_1"].median_s) / (k - 1)
+        fl = aq.scoring_flops(
+            model,
+            loss_fn,
+            batches[0],
+            CANDIDATES,
+            method=m,
+            steps=a.steps,
+            output_fn=output_fn if m == "kl" else None,
+        )
+        row = {"what": m, "per_batch_ms": 1e3 * per, "x_float": per / f, "flops_x": fl["x_float"]}
+        if m == "gradient":
+            row.update(bound=GRADIENT_BOUND, ok=bool(per / f <= GRADIENT_BOUND))
+        if m == "shapley":
+            row.update(
+                per_point=per / f / a.steps,
+                flops_per_point=fl["per_point"],
+                bound=GRADIENT_BOUND,
+                ok=bool(per / f / a.steps <= GRADIENT_BOUND),
+            )
+        if m in ("isolated", "kl"):
+            n = n_sites * len(CANDIDATES)
+            row.update(per_point=per / f / n, flops_per_point=fl["x_float"] / n)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a, methods = _parse_args(argv)
     shape = QUICK if a.quick else FULL
     runs = a.runs or (2 if a.quick else 5)
     cfg = GPTConfig(
@@ -115,34 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
         fns[f"{m}_1"] = scorer(m, batches[:1])
     t = common.time_interleaved(fns, runs=runs, warmup=1)
     k = a.batches
-    f = t["float"].median_s / k
     n_sites = fns[f"{methods[0]}_1"]().shape[0]  # a warm call: its program is compiled
-    rows = [{"what": "float forward+backward", "per_batch_ms": 1e3 * f, "x_float": 1.0}]
-    for m in methods:
-        per = (t[f"{m}_k"].median_s - t[f"{m}_1"].median_s) / (k - 1)
-        fl = aq.scoring_flops(
-            model,
-            loss_fn,
-            batches[0],
-            CANDIDATES,
-            method=m,
-            steps=a.steps,
-            output_fn=output_fn if m == "kl" else None,
-        )
-        row = {"what": m, "per_batch_ms": 1e3 * per, "x_float": per / f, "flops_x": fl["x_float"]}
-        if m == "gradient":
-            row.update(bound=GRADIENT_BOUND, ok=bool(per / f <= GRADIENT_BOUND))
-        if m == "shapley":
-            row.update(
-                per_point=per / f / a.steps,
-                flops_per_point=fl["per_point"],
-                bound=GRADIENT_BOUND,
-                ok=bool(per / f / a.steps <= GRADIENT_BOUND),
-            )
-        if m in ("isolated", "kl"):
-            n = n_sites * len(CANDIDATES)
-            row.update(per_point=per / f / n, flops_per_point=fl["x_float"] / n)
-        rows.append(row)
+    rows = _rows(a, methods, t, model, batches, output_fn, n_sites)
     print(
         f"GPT d_model {cfg.d_model}, {cfg.layers} layers, batch {shape['batch']} x "
         f"{cfg.seq_len} tokens, {n_sites} sites, {len(CANDIDATES)} candidates, shapley steps "

@@ -289,35 +289,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark, print the table, write the JSON; returns what was written."""
-    args = parse_args(argv)
-    n = args.size
-    x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    key = jax.random.key(1)
-    jax.block_until_ready(x)
-
-    candidates: dict[str, Callable[[], Any]] = {}
-    base = jax.jit(lambda x: x * 2 + 1)
-    candidates[BASELINE] = lambda: base(x)
-    # What a user gets (the compiled CPU kernel when lowbit.native is active), and side by
-    # side the XLA emulation alone.
-    native = lb.native.active()
-    for fmt in args.formats:
-        for rounding in ROUNDINGS:
-            candidates[f"lowbit/{fmt}/{rounding}"] = _lowbit_fn(fmt, rounding, x, key)
-            if native and not args.no_xla_path:
-                candidates[f"lowbit-xla/{fmt}/{rounding}"] = _lowbit_fn(
-                    fmt, rounding, x, key, native="off"
-                )
-
-    fused_specs: list[dict[str, Any]] = []
-    if not args.no_fused:
-        fused, fused_specs = _fused_candidates(x, key, args.quick, native)
-        candidates.update(fused)
-
-    # qwix: optional; a missing package, format or a failure becomes a status, not a crash.
-    qwix, qwix_missing = (None, "disabled (--no-qwix)") if args.no_qwix else load_qwix()
+def _add_qwix(candidates: dict[str, Callable[[], Any]], qwix, args, x) -> dict[str, str]:
+    """Add qwix's quantizer of each format that it has and that compiles to
+    ``candidates``; returns each format's qwix status."""
     qwix_status: dict[str, str] = {}
     for fmt in args.formats:
         qtype = QWIX_QTYPES.get(fmt)
@@ -336,17 +310,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 continue
             qwix_status[fmt] = "ok"
             candidates[f"qwix/{fmt}"] = lambda fn=fn: fn(x)
+    return qwix_status
 
-    print(
-        f"bench_quantize: {n}x{n} float32, {len(candidates)} candidates, {args.runs} rounds "
-        f"interleaved, {args.warmup} warm-up calls each",
-        file=sys.stderr,
-    )
-    env = common.environment()
-    timings = common.time_interleaved(candidates, runs=args.runs, warmup=args.warmup)
-    env["loadavg_after"] = common.environment()["loadavg"]
-    t_base = timings[BASELINE]
 
+def _rows(args, timings, t_base, native: bool, qwix_status: dict[str, str]) -> list[dict]:
+    """One result row per (format, rounding): lowbit against the baseline and qwix."""
     rows = []
     for fmt in args.formats:
         for rounding in ROUNDINGS:
@@ -393,6 +361,51 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     else [1e3 * s for s in t_qwix.samples_s],
                 }
             )
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the table, write the JSON; returns what was written."""
+    args = parse_args(argv)
+    n = args.size
+    x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    key = jax.random.key(1)
+    jax.block_until_ready(x)
+
+    candidates: dict[str, Callable[[], Any]] = {}
+    base = jax.jit(lambda x: x * 2 + 1)
+    candidates[BASELINE] = lambda: base(x)
+    # What a user gets (the compiled CPU kernel when lowbit.native is active), and side by
+    # side the XLA emulation alone.
+    native = lb.native.active()
+    for fmt in args.formats:
+        for rounding in ROUNDINGS:
+            candidates[f"lowbit/{fmt}/{rounding}"] = _lowbit_fn(fmt, rounding, x, key)
+            if native and not args.no_xla_path:
+                candidates[f"lowbit-xla/{fmt}/{rounding}"] = _lowbit_fn(
+                    fmt, rounding, x, key, native="off"
+                )
+
+    fused_specs: list[dict[str, Any]] = []
+    if not args.no_fused:
+        fused, fused_specs = _fused_candidates(x, key, args.quick, native)
+        candidates.update(fused)
+
+    # qwix: optional; a missing package, format or a failure becomes a status, not a crash.
+    qwix, qwix_missing = (None, "disabled (--no-qwix)") if args.no_qwix else load_qwix()
+    qwix_status = _add_qwix(candidates, qwix, args, x)
+
+    print(
+        f"bench_quantize: {n}x{n} float32, {len(candidates)} candidates, {args.runs} rounds "
+        f"interleaved, {args.warmup} warm-up calls each",
+        file=sys.stderr,
+    )
+    env = common.environment()
+    timings = common.time_interleaved(candidates, runs=args.runs, warmup=args.warmup)
+    env["loadavg_after"] = common.environment()["loadavg"]
+    t_base = timings[BASELINE]
+
+    rows = _rows(args, timings, t_base, native, qwix_status)
 
     fused_rows = _fused_rows(fused_specs, timings, t_base, native)
 

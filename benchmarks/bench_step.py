@@ -304,18 +304,6 @@ def make_train_step(
     return step
 
 
-def make_step(
-    cfg: ModelConfig,
-    recipe: str,
-    tx: optax.GradientTransformation,
-    seed: int = 0,
-    implementation: str | None = None,
-) -> Callable[[TrainState, jax.Array], tuple[TrainState, jax.Array]]:
-    """The GPT's ``step(state, tokens_BT1) -> (state, loss)`` (:func:`make_train_step`);
-    ``tokens_BT1`` holds ``seq + 1`` tokens per row (inputs and shifted targets)."""
-    return make_train_step(gpt_loss(cfg, recipe, implementation), tx, seed)
-
-
 def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, seed: int = 0) -> TrainState:
     """The GPT's initial train state (the same for every recipe)."""
     params = gpt_params(cfg, seed)
@@ -520,6 +508,38 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     timings = common.time_interleaved(candidates, runs=args.runs, warmup=args.warmup)
     env["loadavg_after"] = common.environment()["loadavg"]
     t_base = timings[BASELINE]
+    rows = _rows(args, timings, losses, states, compile_s, cpu_s)
+
+    _print_table(rows, t_base, args, env)
+    checked = [r["within_bound"] for r in rows if r["within_bound"] is not None]
+    payload = {
+        "benchmark": "bench_step",
+        "config": {
+            "model": args.model,
+            **dataclasses.asdict(wl.cfg),
+            "params": n_params,
+            "dtype": "float32",
+            "optimizer": wl.optimizer,
+            "implementation": args.implementation,
+            "runs": args.runs,
+            "warmup": args.warmup,
+            "quick": args.quick,
+            "recipes": args.recipes,
+        },
+        "environment": env,
+        "baseline": {"recipe": BASELINE, **t_base.to_json()},
+        "rows": rows,
+        "all_within_bound": all(checked) if checked else None,
+        "all_finite": all(r["loss_finite"] and r["params_finite"] for r in rows),
+    }
+    path = common.write_json(args.out, payload)
+    print(f"wrote {path}", file=sys.stderr)
+    return payload
+
+
+def _rows(args, timings, losses, states, compile_s, cpu_s) -> list[dict[str, Any]]:
+    """One result row per recipe: its timings against the baseline's, its losses, finiteness."""
+    t_base = timings[BASELINE]
     cpu_median = {name: statistics.median(cpu_s[name][-args.runs :]) for name in args.recipes}
 
     rows = []
@@ -554,32 +574,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "samples_ms": [1e3 * s for s in t.samples_s],
             }
         )
-
-    _print_table(rows, t_base, args, env)
-    checked = [r["within_bound"] for r in rows if r["within_bound"] is not None]
-    payload = {
-        "benchmark": "bench_step",
-        "config": {
-            "model": args.model,
-            **dataclasses.asdict(wl.cfg),
-            "params": n_params,
-            "dtype": "float32",
-            "optimizer": wl.optimizer,
-            "implementation": args.implementation,
-            "runs": args.runs,
-            "warmup": args.warmup,
-            "quick": args.quick,
-            "recipes": args.recipes,
-        },
-        "environment": env,
-        "baseline": {"recipe": BASELINE, **t_base.to_json()},
-        "rows": rows,
-        "all_within_bound": all(checked) if checked else None,
-        "all_finite": all(r["loss_finite"] and r["params_finite"] for r in rows),
-    }
-    path = common.write_json(args.out, payload)
-    print(f"wrote {path}", file=sys.stderr)
-    return payload
+    return rows
 
 
 def _print_table(rows: list[dict[str, Any]], t_base: common.Timing, args, env) -> None:

@@ -1,5 +1,5 @@
 """A small vision transformer on scikit-learn's handwritten digits, trained under one lowbit
-recipe (the ``vit`` family of :mod:`experiments.training`; model and data in
+recipe (the ``vit`` family of :mod:`experiments.families`; model and data in
 :mod:`experiments.vision`).
 
     python -m experiments.train --config configs/digits.py:size=tiny,recipe=mxfp4

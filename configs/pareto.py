@@ -22,7 +22,8 @@ Arguments (after the colon, comma-separated; lists joined by ``+``): ``sizes``
   ``--config.sizes.xs.train.steps=1000``.
 - steps per size: ``sizes.<size>.train.steps`` times ``steps_scale``; or, with
   ``tokens_per_param`` > 0, as many steps as give that many training tokens per model parameter
-  (embeddings and head included; 25 is the regime of RESULTS.md's Quartet study at tiny).
+  (embeddings and head included; 25 is the regime of the Quartet study at tiny,
+  experiments/results/recipes.md).
 - ``size_seeds.<size>``: that size's seeds when they are not ``seeds`` (``""``: ``seeds``):
   ``--config.size_seeds.xs=0`` where a larger model costs too much to train three times.
 - ``rerun``: train every run again even when it finished with the same config.

@@ -22,7 +22,7 @@ config) this study
    = 16), saves the plans (``plans/<method>-<bits>.json``, loadable by
    ``--config.quant.plan``) and measures each by post-training quantization
    (:func:`lowbit.ptq.simulate` with the plan's rules: weights and activations fake-quantized
-   with dynamic scales) on the validation batches (:func:`experiments.training.evaluate`, as
+   with dynamic scales) on the validation batches (:func:`experiments.runs.evaluate`, as
    the PTQ study evaluates), and on the calibration batches;
 3. measures the architecture presets (:func:`lowbit.autoquant.heuristic`: ``all``,
    ``mlp_only``, ``experts_only`` for MoE) for every ``heuristic_low`` x ``heuristic_high``,
@@ -60,7 +60,8 @@ import numpy as np
 import lowbit as lb
 import lowbit.autoquant as aq
 import lowbit.ptq as ptq
-from experiments import compare, studylib, training
+from experiments import compare, runs, studylib
+from experiments.config import RunConfig, fine_tune_config, split_list
 from experiments.configlib import ConfigError
 from experiments.model import loss_fn as gpt_loss_fn
 
@@ -135,14 +136,14 @@ def validate(points: list[dict], methods: list[str]) -> dict:
 
 def _floats(s, field: str) -> list[float]:
     try:
-        return [float(x) for x in training.split_list(s)]
+        return [float(x) for x in split_list(s)]
     except ValueError:
         raise ConfigError(f"config.{field}: expected comma-separated numbers, got {s!r}") from None
 
 
 def _recipes(s, field: str) -> list[str]:
     out = []
-    for n in training.split_list(s):
+    for n in split_list(s):
         try:
             out.append(lb.recipes.get(n).name)
         except ValueError as e:
@@ -181,87 +182,172 @@ def _rules(choices: dict[str, str], scores: aq.Scores) -> list:
     ]
 
 
-def run_study(c, *, log: Callable[[str], None] = print) -> dict:
-    """Run the study of the ConfigDict ``c`` (``configs/autoquant.py``); returns the results
-    written to ``autoquant.json``."""
-    candidates = _recipes(c.candidates, "candidates")
-    methods = training.split_list(c.methods)
-    for m in methods:
-        if m not in aq.METHODS:
-            raise ConfigError(f"config.methods: unknown method {m!r}; expected some of "
-                              f"{aq.METHODS}")
-    budgets = _floats(c.budgets, "budgets")
-    lows = _recipes(c.heuristic_low, "heuristic_low")
-    highs = _recipes(c.heuristic_high, "heuristic_high")
-    base_cfg = training.RunConfig.from_config(c.base)
-    out_dir = Path(c.workdir) / c.name
-    (out_dir / "plans").mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    float_dir = training.train_or_reuse(base_cfg, log)
-    cfg, model = training.load_trained(float_dir)
-    eval_cfg = cfg
-    if int(c.eval_batches):
-        eval_cfg = dataclasses.replace(
-            cfg, train=dataclasses.replace(cfg.train, eval_batches=int(c.eval_batches))
-        )
-    batches = [
-        {k: jnp.asarray(v) for k, v in b.items()}
-        for b in training.calibration_batches(cfg, int(c.calib_batches), full=True)
-    ]
-    groups = MOE_GROUPS if cfg.model.mlp == "moe" else None
+class _Study:
+    """The float model of a study, its calibration batches and its measurements (cached per
+    quantized site set): what every part of :func:`run_study` measures against."""
 
-    measured: dict[tuple, dict] = {}
+    def __init__(self, c, cfg, model, *, log: Callable[[str], None]):
+        self.c, self.cfg, self.model, self.log = c, cfg, model, log
+        self.eval_cfg = cfg
+        if int(c.eval_batches):
+            self.eval_cfg = dataclasses.replace(
+                cfg, train=dataclasses.replace(cfg.train, eval_batches=int(c.eval_batches))
+            )
+        self.batches = [
+            {k: jnp.asarray(v) for k, v in b.items()}
+            for b in runs.calibration_batches(cfg, int(c.calib_batches), full=True)
+        ]
+        self.measured: dict[tuple, dict] = {}
+        self.fl = self.measure([], calib=True)
+        log(f"float: val_loss {self.fl['val_loss']:.4f}, calib_loss {self.fl['calib_loss']:.4f}")
 
-    def measure(rules, calib: bool) -> dict:
+    def measure(self, rules, calib: bool) -> dict:
         """Validation loss (and with ``calib`` the calibration-batch loss) of the float model
         under ``rules`` (cached per quantized site set)."""
         key = tuple(sorted((p, lb.recipes.get(r).name) for p, r in rules
                            if not lb.recipes.get(r).is_identity))
         if not key and rules:  # every site "none": measured through the rules all the same
             key = ("none",)
-        if key not in measured:
-            m = ptq.simulate(model, rules) if rules else model
-            measured[key] = {"model": m, "val_loss": training.evaluate(eval_cfg, m)["val_loss"]}
-        rec = measured[key]
+        if key not in self.measured:
+            m = ptq.simulate(self.model, rules) if rules else self.model
+            self.measured[key] = {
+                "model": m, "val_loss": runs.evaluate(self.eval_cfg, m)["val_loss"]
+            }
+        rec = self.measured[key]
         if calib and "calib_loss" not in rec:
-            rec["calib_loss"] = training.evaluate(eval_cfg, rec["model"], batches=batches)[
+            rec["calib_loss"] = runs.evaluate(self.eval_cfg, rec["model"], batches=self.batches)[
                 "val_loss"
             ]
         return {k: v for k, v in rec.items() if k != "model"}
 
-    fl = measure([], calib=True)
-    log(f"float: val_loss {fl['val_loss']:.4f}, calib_loss {fl['calib_loss']:.4f}")
-
-    def point(rules, extra, calib: bool = False) -> dict:
-        m = measure(rules, calib)
+    def point(self, rules, extra, calib: bool = False) -> dict:
+        fl = self.fl
+        m = self.measure(rules, calib)
         out = {**extra, **m, "delta_val": m["val_loss"] - fl["val_loss"]}
         if calib:
             out["delta_calib"] = m["calib_loss"] - fl["calib_loss"]
         return out
 
-    scores: dict[str, aq.Scores] = {}
-    timings: dict[str, float] = {}
-    for method in methods:
-        t = time.perf_counter()
-        s = aq.score(model, cross_entropy, batches, candidates, method=method,
-                     steps=int(c.shapley_steps), rule=str(c.get("shapley_rule", "midpoint")),
-                     groups=groups,
-                     output_fn=logits if method == "kl" else None, seed=int(c.seed))
-        jax.block_until_ready(s.damage)
-        timings[method] = time.perf_counter() - t
-        scores[method] = s
-        log(f"score {method}: {timings[method]:.1f}s ({len(s.sites)} sites/groups)")
-    ref = scores[methods[0]]
-    none_choices = ref.uniform("none")
-    none_plan = point(_rules(none_choices, ref), {"bits": ref.bits(none_choices)}, calib=True)
+    def score(self, methods, candidates) -> tuple[dict[str, aq.Scores], dict[str, float]]:
+        """Every method's scores of the candidates, and the seconds each took."""
+        c = self.c
+        groups = MOE_GROUPS if self.cfg.model.mlp == "moe" else None
+        scores: dict[str, aq.Scores] = {}
+        timings: dict[str, float] = {}
+        for method in methods:
+            t = time.perf_counter()
+            s = aq.score(self.model, cross_entropy, self.batches, candidates, method=method,
+                         steps=int(c.shapley_steps),
+                         rule=str(c.get("shapley_rule", "midpoint")), groups=groups,
+                         output_fn=logits if method == "kl" else None, seed=int(c.seed))
+            jax.block_until_ready(s.damage)
+            timings[method] = time.perf_counter() - t
+            scores[method] = s
+            self.log(f"score {method}: {timings[method]:.1f}s ({len(s.sites)} sites/groups)")
+        self.scores, self.ref = scores, scores[methods[0]]
+        return scores, timings
 
-    uniform = []
-    for cand in candidates:
-        ch = ref.uniform(cand)
-        rec = point(_rules(ch, ref), {"recipe": cand, "bits": ref.bits(ch)}, calib=True)
-        rec["predicted"] = {m: s.predicted(ch) for m, s in scores.items()}
-        uniform.append(rec)
-        log(f"uniform {cand}: bits {rec['bits']:.3f} delta_val {rec['delta_val']:+.4f}")
+    def uniform(self, candidates) -> list[dict]:
+        """Every candidate on every site."""
+        ref, out = self.ref, []
+        for cand in candidates:
+            ch = ref.uniform(cand)
+            rec = self.point(_rules(ch, ref), {"recipe": cand, "bits": ref.bits(ch)}, calib=True)
+            rec["predicted"] = {m: s.predicted(ch) for m, s in self.scores.items()}
+            out.append(rec)
+            self.log(f"uniform {cand}: bits {rec['bits']:.3f} delta_val {rec['delta_val']:+.4f}")
+        return out
+
+    def plan_point(self, method: str, bits: float, kind: str, out_dir: Path) -> dict | None:
+        """The solver's plan of ``method`` at ``bits``, saved and measured (None: no plan)."""
+        s = self.scores[method]
+        try:
+            plan = aq.solve(s, bits=bits)
+        except ValueError as e:
+            self.log(f"{method} at {bits:g} bits: {e}")
+            return None
+        suffix = "" if kind == "budget" else f"-{kind}"
+        path = out_dir / "plans" / f"{method}-{bits:.4g}{suffix}.json"
+        plan.save(path)
+        rec = self.point(plan.rules(), {
+            "method": method, "kind": kind, "budget": bits, "bits": plan.bits,
+            "predicted": plan.predicted, "counts": plan.counts(), "choices": plan.choices,
+            "plan_file": str(path),
+        })
+        self.log(f"{method:9s} budget {bits:6.3f}: bits {plan.bits:.3f} predicted "
+                 f"{plan.predicted:+.4g} delta_val {rec['delta_val']:+.4f}")
+        return rec
+
+    def heuristics(self, lows, highs) -> list[dict]:
+        """Every distinct assignment of the presets (``low`` / ``high`` recipes)."""
+        ref, out, seen = self.ref, [], set()
+        for preset in aq.PRESETS:
+            for low in lows:
+                for high in highs:
+                    try:
+                        rules = aq.heuristic(self.model, preset, low=low, high=high)
+                    except ValueError:  # experts_only on a dense model
+                        continue
+                    ch = _choices_of(rules, ref)
+                    key = tuple(sorted(ch.items()))
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    rec = self.point(_rules(ch, ref), {
+                        "preset": preset, "low": low, "high": high, "bits": ref.bits(ch),
+                        "counts": _counts(ch, ref.members),
+                        "predicted": {m: s.predicted(ch) for m, s in self.scores.items()},
+                    })
+                    out.append(rec)
+                    self.log(f"heuristic {preset}/{low}/{high}: bits {rec['bits']:.3f} "
+                             f"delta_val {rec['delta_val']:+.4f}")
+        return out
+
+    def qat(self, base_cfg, float_dir, plans, budgets) -> list[dict]:
+        """A short QAT fine-tune under the best plan at each QAT budget."""
+        c, fl, out = self.c, self.fl, []
+        group = compare.group_of(base_cfg.name)
+        for b in _floats(c.qat_budgets, "qat_budgets") or budgets:
+            at = [p for p in plans if p["kind"] == "budget" and p["budget"] == b]
+            if not at:
+                continue
+            best = min(at, key=lambda p: p["val_loss"])
+            tag = f"{best['method']}-{b:g}"
+            qc = fine_tune_config(
+                c.base, recipe="none", name=f"{group}/qat-plan-{tag}-s{self.cfg.seed}",
+                steps=int(c.qat_steps), lr=float(c.qat_lr), init_from=str(float_dir),
+                plan=str(Path(best["plan_file"]).resolve()))
+            qdir = runs.train_or_reuse(RunConfig.from_config(qc), self.log)
+            _, qmodel = runs.load_trained(qdir)
+            plan = aq.Plan.load(best["plan_file"])
+            m = ptq.simulate(qmodel, plan.rules())
+            val = runs.evaluate(self.eval_cfg, m)["val_loss"]
+            out.append({"method": best["method"], "budget": b, "bits": best["bits"],
+                        "run": str(qdir), "qat_steps": int(c.qat_steps), "val_loss": val,
+                        "delta_val": val - fl["val_loss"], "ptq_delta_val": best["delta_val"]})
+            self.log(f"qat {tag}: delta_val {val - fl['val_loss']:+.4f} (PTQ "
+                     f"{best['delta_val']:+.4f})")
+        return out
+
+    def random_points(self, candidates) -> list[dict]:
+        """``config.random_recipes`` random assignments (seeded by ``config.seed``)."""
+        ref = self.ref
+        rng = np.random.default_rng(int(self.c.seed))
+        options = ["none", *candidates]
+        out = []
+        for i in range(int(self.c.random_recipes)):
+            ch = {g: options[int(k)] for g, k in zip(ref.sites, rng.integers(0, len(options),
+                                                                              len(ref.sites)),
+                                                     strict=True)}
+            rec = self.point(_rules(ch, ref), {
+                "index": i, "bits": ref.bits(ch), "counts": _counts(ch, ref.members),
+                "choices": ch, "predicted": {m: s.predicted(ch) for m, s in self.scores.items()},
+            }, calib=True)
+            out.append(rec)
+        return out
+
+
+def _completeness(uniform: list[dict], scores) -> list[dict]:
     completeness = []
     for rec in uniform:
         row = {"recipe": rec["recipe"], "delta_calib": rec["delta_calib"]}
@@ -271,94 +357,50 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
                 row[f"ratio_{m}"] = (rec["predicted"][m] / rec["delta_calib"]
                                      if rec["delta_calib"] else None)
         completeness.append(row)
+    return completeness
 
-    def plan_point(method: str, bits: float, kind: str) -> dict | None:
-        s = scores[method]
-        try:
-            plan = aq.solve(s, bits=bits)
-        except ValueError as e:
-            log(f"{method} at {bits:g} bits: {e}")
-            return None
-        suffix = "" if kind == "budget" else f"-{kind}"
-        path = out_dir / "plans" / f"{method}-{bits:.4g}{suffix}.json"
-        plan.save(path)
-        rec = point(plan.rules(), {
-            "method": method, "kind": kind, "budget": bits, "bits": plan.bits,
-            "predicted": plan.predicted, "counts": plan.counts(), "choices": plan.choices,
-            "plan_file": str(path),
-        })
-        log(f"{method:9s} budget {bits:6.3f}: bits {plan.bits:.3f} predicted "
-            f"{plan.predicted:+.4g} delta_val {rec['delta_val']:+.4f}")
-        return rec
 
-    plans = [p for m in methods for b in budgets if (p := plan_point(m, b, "budget"))]
-
-    heuristics = []
-    seen = set()
-    for preset in aq.PRESETS:
-        for low in lows:
-            for high in highs:
-                try:
-                    rules = aq.heuristic(model, preset, low=low, high=high)
-                except ValueError:  # experts_only on a dense model
-                    continue
-                ch = _choices_of(rules, ref)
-                key = tuple(sorted(ch.items()))
-                if key in seen:
-                    continue
-                seen.add(key)
-                rec = point(_rules(ch, ref), {
-                    "preset": preset, "low": low, "high": high, "bits": ref.bits(ch),
-                    "counts": _counts(ch, ref.members),
-                    "predicted": {m: s.predicted(ch) for m, s in scores.items()},
-                })
-                heuristics.append(rec)
-                log(f"heuristic {preset}/{low}/{high}: bits {rec['bits']:.3f} delta_val "
-                    f"{rec['delta_val']:+.4f}")
+def run_study(c, *, log: Callable[[str], None] = print) -> dict:
+    """Run the study of the ConfigDict ``c`` (``configs/autoquant.py``); returns the results
+    written to ``autoquant.json``."""
+    candidates = _recipes(c.candidates, "candidates")
+    methods = split_list(c.methods)
+    for m in methods:
+        if m not in aq.METHODS:
+            raise ConfigError(f"config.methods: unknown method {m!r}; expected some of "
+                              f"{aq.METHODS}")
+    budgets = _floats(c.budgets, "budgets")
+    lows = _recipes(c.heuristic_low, "heuristic_low")
+    highs = _recipes(c.heuristic_high, "heuristic_high")
+    base_cfg = RunConfig.from_config(c.base)
+    out_dir = Path(c.workdir) / c.name
+    (out_dir / "plans").mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    float_dir = runs.train_or_reuse(base_cfg, log)
+    cfg, model = runs.load_trained(float_dir)
+    study = _Study(c, cfg, model, log=log)
+    fl = study.fl
+    scores, timings = study.score(methods, candidates)
+    ref = study.ref
+    none_choices = ref.uniform("none")
+    none_plan = study.point(
+        _rules(none_choices, ref), {"bits": ref.bits(none_choices)}, calib=True
+    )
+    uniform = study.uniform(candidates)
+    completeness = _completeness(uniform, scores)
+    plans = [
+        p for m in methods for b in budgets if (p := study.plan_point(m, b, "budget", out_dir))
+    ]
+    heuristics = study.heuristics(lows, highs)
     if c.matched:
         for h in heuristics:
             for m in methods:
-                p = plan_point(m, h["bits"], "matched")
+                p = study.plan_point(m, h["bits"], "matched", out_dir)
                 if p is not None:
                     p["heuristic"] = f"{h['preset']}/{h['low']}/{h['high']}"
                     plans.append(p)
-
-    qat = []
-    if int(c.qat_steps) > 0:
-        group = compare.group_of(base_cfg.name)
-        for b in _floats(c.qat_budgets, "qat_budgets") or budgets:
-            at = [p for p in plans if p["kind"] == "budget" and p["budget"] == b]
-            if not at:
-                continue
-            best = min(at, key=lambda p: p["val_loss"])
-            tag = f"{best['method']}-{b:g}"
-            qc = training.fine_tune_config(
-                c.base, recipe="none", name=f"{group}/qat-plan-{tag}-s{cfg.seed}",
-                steps=int(c.qat_steps), lr=float(c.qat_lr), init_from=str(float_dir),
-                plan=str(Path(best["plan_file"]).resolve()))
-            qdir = training.train_or_reuse(training.RunConfig.from_config(qc), log)
-            _, qmodel = training.load_trained(qdir)
-            plan = aq.Plan.load(best["plan_file"])
-            m = ptq.simulate(qmodel, plan.rules())
-            val = training.evaluate(eval_cfg, m)["val_loss"]
-            qat.append({"method": best["method"], "budget": b, "bits": best["bits"],
-                        "run": str(qdir), "qat_steps": int(c.qat_steps), "val_loss": val,
-                        "delta_val": val - fl["val_loss"], "ptq_delta_val": best["delta_val"]})
-            log(f"qat {tag}: delta_val {val - fl['val_loss']:+.4f} (PTQ "
-                f"{best['delta_val']:+.4f})")
-
-    rng = np.random.default_rng(int(c.seed))
-    options = ["none", *candidates]
-    random_points = []
-    for i in range(int(c.random_recipes)):
-        ch = {g: options[int(k)] for g, k in zip(ref.sites, rng.integers(0, len(options),
-                                                                          len(ref.sites)),
-                                                 strict=True)}
-        rec = point(_rules(ch, ref), {
-            "index": i, "bits": ref.bits(ch), "counts": _counts(ch, ref.members),
-            "choices": ch, "predicted": {m: s.predicted(ch) for m, s in scores.items()},
-        }, calib=True)
-        random_points.append(rec)
+    qat = study.qat(base_cfg, float_dir, plans, budgets) if int(c.qat_steps) > 0 else []
+    random_points = study.random_points(candidates)
     validation = {"recipes": len(random_points), "measured": "delta_calib",
                   "methods": validate(random_points, methods) if random_points else {}}
     for m, v in validation["methods"].items():

@@ -8,7 +8,7 @@
         --recipes none,mxfp8,mxfp6,mxfp4,nvfp4
 
 Each (recipe, seed) is an ordinary run, ``runs/<group>/<recipe>-s<seed>/`` (``<group>`` is
-the part of ``config.name`` before its slash), trained by :func:`experiments.training.train`
+the part of ``config.name`` before its slash), trained by :func:`experiments.trainer.train`
 from the same initial parameters and batches for a given seed. A run that already finished with
 the same config is reused (``--rerun`` trains it again). Results go to ``runs/<group>/compare/``:
 
@@ -30,13 +30,13 @@ import copy
 import dataclasses
 import json
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from experiments import distributed, training
+from experiments import distributed, metrics, runs, studylib
+from experiments.config import RunConfig
 from experiments.configlib import ConfigError
 
 __all__ = [
@@ -67,16 +67,6 @@ def _variant(base, recipe: str, seed: int):
     return c
 
 
-def _finished(cfg: training.RunConfig) -> bool:
-    d = cfg.run_dir
-    try:
-        summary = json.loads((d / "summary.json").read_text())
-        saved = json.loads((d / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return summary.get("step") == cfg.train.steps and not training.config_diff(saved, cfg.to_json())
-
-
 def run_all(
     base,
     recipes: Sequence[str],
@@ -85,21 +75,18 @@ def run_all(
     rerun: bool = False,
     log: Callable[[str], None] = print,
 ) -> list[Path]:
-    """Train every (recipe, seed) variant of the ConfigDict ``base``; returns their run dirs."""
-    cfgs = [training.RunConfig.from_config(_variant(base, r, s)) for s in seeds for r in recipes]
+    """Train every (recipe, seed) variant of the ConfigDict ``base``, or reuse it
+    (:func:`experiments.runs.train_or_reuse`); ``rerun``: delete each run first
+    (:func:`experiments.runs.remove_run`). Returns their run dirs."""
+    cfgs = [RunConfig.from_config(_variant(base, r, s)) for s in seeds for r in recipes]
     dirs = []
     for cfg in cfgs:  # all configs are validated (recipe names included) before any training
         if rerun:
-            training.remove_run(cfg.run_dir, workdir=cfg.workdir)
-        if _finished(cfg):
-            log(f"{cfg.name}: finished earlier with this config, reused")
-        else:  # a run left unfinished (same config) continues from its last checkpoint
-            try:
-                r = training.train(cfg, resume=cfg.run_dir.exists(), log=log)
-            except ConfigError as e:
-                raise ConfigError(f"{e}; pass --rerun to train {cfg.name} again") from e
-            log(f"{cfg.name}: final validation loss {r.final_val_loss:.4f}")
-        dirs.append(cfg.run_dir)
+            runs.remove_run(cfg.run_dir, workdir=cfg.workdir)
+        try:
+            dirs.append(runs.train_or_reuse(cfg, log=log))
+        except ConfigError as e:
+            raise ConfigError(f"{e}; pass --rerun to train {cfg.name} again") from e
     return dirs
 
 
@@ -129,7 +116,7 @@ def load_runs(run_dirs: Sequence[str | Path]) -> dict[str, RecipeResult]:
     out: dict[str, RecipeResult] = {}
     for d in map(Path, run_dirs):
         summary = json.loads((d / "summary.json").read_text())
-        recs = training.read_metrics(d / "metrics.jsonl")
+        recs = metrics.read_metrics(d / "metrics.jsonl")
         tr = [r for r in recs if r["kind"] == "train"]
         ev = [r for r in recs if r["kind"] == "eval"]
         res = out.setdefault(
@@ -427,20 +414,16 @@ def main(argv: list[str]) -> None:
     recipes = [r for r in _RECIPES.value.split(",") if r]
     seeds = [int(s) for s in _SEEDS.value.split(",") if s]
     noise_seeds = [int(s) for s in _NOISE_SEEDS.value.split(",") if s]
-    command = " ".join(["python -m experiments.compare", *sys.argv[1:]])
-    try:
-        png, md = compare(
-            _CONFIG.value,
-            recipes,
-            seeds,
-            out=_OUT.value,
-            rerun=_RERUN.value,
-            noise_seeds=noise_seeds,
-            command=command,
-        )
-    except (ConfigError, ValueError, training.TrainingDiverged) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    png, md = studylib.run_or_exit(
+        compare,
+        _CONFIG.value,
+        recipes,
+        seeds,
+        out=_OUT.value,
+        rerun=_RERUN.value,
+        noise_seeds=noise_seeds,
+        command=studylib.command_line("experiments.compare"),
+    )
     if distributed.is_writer():
         print(md.read_text())
         print(f"figure: {png}\ntable:  {md}")

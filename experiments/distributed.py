@@ -20,7 +20,7 @@ multi-host TPU pod slice) no flag is needed: :func:`initialize` calls
 ``jax.distributed.initialize()`` with no arguments and JAX reads the process count, ids and
 coordinator from the launcher's environment.
 
-What the training loop does with several processes (``experiments.training``): the mesh spans
+What the training loop does with several processes (``experiments.trainer``): the mesh spans
 every process's devices; each process draws the same global batch (the data position is one
 number, the same everywhere) and hands JAX the rows its own devices hold; evaluation and the
 metrics are global values, so every process sees the same numbers, and a non-finite loss stops

@@ -186,11 +186,19 @@ def rope(x_BTHK: jax.Array, positions_T: jax.Array, base: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Causal multi-head self-attention: fused ``qkv`` projection, ``out`` projection."""
+    """Multi-head self-attention: fused ``qkv`` projection, ``out`` projection; causal with
+    RoPE (``cfg.positions == "rope"``) for the GPT. The ViT's (:mod:`experiments.vision`) is
+    bidirectional (``causal=False``, no RoPE) and runs its projections on ``[B * T, D]``
+    activations (``flat=True``: a weight gradient contracts every token of the batch).
+    ``cfg``: any config with ``d_model``, ``heads``, ``head_dim``, ``layers`` and
+    ``compute_dtype`` (and ``positions``, ``rope_base`` when causal)."""
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, causal: bool = True, flat: bool = False):
         d, dt = cfg.d_model, cfg.compute_dtype
         self.cfg = cfg
+        self.causal = causal
+        self.flat = flat
+        self.rope = causal and cfg.positions == "rope"
         self.qkv = _linear(d, 3 * d, rngs, dtype=dt)
         self.out = _linear(d, d, rngs, std=INIT_STD / math.sqrt(2 * cfg.layers), dtype=dt)
 
@@ -198,17 +206,18 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, t, d = x_BTD.shape
         h, k = cfg.heads, cfg.head_dim
-        qkv_BT3HK = self.qkv(x_BTD).reshape(b, t, 3, h, k)
+        qkv_BT3HK = _flat_apply(self.qkv, x_BTD, self.flat).reshape(b, t, 3, h, k)
         q_BTHK, k_BTHK, v_BTHK = (qkv_BT3HK[:, :, i] for i in range(3))
-        if cfg.positions == "rope":
+        if self.rope:
             pos_T = jnp.arange(t)
             q_BTHK = rope(q_BTHK, pos_T, cfg.rope_base)
             k_BTHK = rope(k_BTHK, pos_T, cfg.rope_base)
         scores_BHTS = jnp.einsum(
             "bthk,bshk->bhts", q_BTHK, k_BTHK, preferred_element_type=jnp.float32
         ) / np.float32(math.sqrt(k))
-        causal_TS = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores_BHTS = jnp.where(causal_TS[None, None], scores_BHTS, jnp.finfo(jnp.float32).min)
+        if self.causal:
+            causal_TS = jnp.tril(jnp.ones((t, t), dtype=bool))
+            scores_BHTS = jnp.where(causal_TS[None, None], scores_BHTS, jnp.finfo(jnp.float32).min)
         probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1)
         y_BTHK = jnp.einsum(
             "bhts,bshk->bthk",
@@ -216,19 +225,32 @@ class Attention(nnx.Module):
             v_BTHK,
             preferred_element_type=jnp.float32,
         ).astype(x_BTD.dtype)
-        return self.out(y_BTHK.reshape(b, t, d))
+        return _flat_apply(self.out, y_BTHK.reshape(b, t, d), self.flat)
 
 
 class MLP(nnx.Module):
-    """Dense GELU MLP: ``up`` (d -> ratio d), GELU, ``down``."""
+    """Dense GELU MLP: ``up`` (d -> ratio d), GELU, ``down``; ``flat``: on ``[B * T, D]``
+    activations (the ViT's, see :class:`Attention`)."""
 
-    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, flat: bool = False):
         d, f, dt = cfg.d_model, cfg.d_ff, cfg.compute_dtype
+        self.flat = flat
         self.up = _linear(d, f, rngs, dtype=dt)
         self.down = _linear(f, d, rngs, std=INIT_STD / math.sqrt(2 * cfg.layers), dtype=dt)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        return self.down(nnx.gelu(self.up(x_BTD)))
+        if not self.flat:
+            return self.down(nnx.gelu(self.up(x_BTD)))
+        b, t, d = x_BTD.shape
+        return self.down(nnx.gelu(self.up(x_BTD.reshape(b * t, d)))).reshape(b, t, d)
+
+
+def _flat_apply(linear: nnx.Linear, x_BTD: jax.Array, flat: bool) -> jax.Array:
+    """``linear(x)``; with ``flat``, on ``x`` as a ``[B * T, D]`` matrix, reshaped back."""
+    if not flat:
+        return linear(x_BTD)
+    b, t, d = x_BTD.shape
+    return linear(x_BTD.reshape(b * t, d)).reshape(b, t, -1)
 
 
 def route(

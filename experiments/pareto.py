@@ -45,7 +45,8 @@ from flax import nnx
 
 import lowbit as lb
 import lowbit.flax as lbf
-from experiments import compare, studylib, training
+from experiments import compare, studylib, trainer
+from experiments.config import RunConfig, quant_rules, split_list
 from experiments.configlib import ConfigError
 from lowbit import autoquant
 
@@ -130,15 +131,15 @@ def weight_memory(model: nnx.Module, rules) -> WeightMemory:
     return WeightMemory(params, float(bits), q_params, float(q_bits))
 
 
-def _abstract_model(cfg: training.RunConfig) -> nnx.Module:
-    return nnx.eval_shape(lambda: training.build_float_model(cfg))
+def _abstract_model(cfg: RunConfig) -> nnx.Module:
+    return nnx.eval_shape(lambda: trainer.build_float_model(cfg))
 
 
 def run_weight_memory(run_dir: str | Path) -> WeightMemory:
     """:func:`weight_memory` of the model a run trained (its ``config.json``: model, recipe,
     ``quant.high_precision``, plan), from shapes alone."""
-    cfg = training.RunConfig.from_config(json.loads((Path(run_dir) / "config.json").read_text()))
-    return weight_memory(_abstract_model(cfg), training.quant_rules(cfg.quant))
+    cfg = RunConfig.from_config(json.loads((Path(run_dir) / "config.json").read_text()))
+    return weight_memory(_abstract_model(cfg), quant_rules(cfg.quant))
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,7 +195,7 @@ def _best_dominator(i: int, memory: Sequence[float], loss: Sequence[float]) -> i
 
 
 def _list(c, key: str) -> list[str]:
-    items = list(dict.fromkeys(training.split_list(c[key])))
+    items = list(dict.fromkeys(split_list(c[key])))
     if not items:
         raise ConfigError(f"config.{key}: empty; expected a comma-separated list")
     return items
@@ -206,7 +207,7 @@ def _seeds(c, size: str | None = None) -> list[int]:
     per_size = c.get("size_seeds") or {}
     if size is not None and per_size.get(size):
         key, value = f"size_seeds.{size}", per_size[size]
-    items = list(dict.fromkeys(training.split_list(value)))
+    items = list(dict.fromkeys(split_list(value)))
     if not items:
         raise ConfigError(f"config.{key}: empty; expected a comma-separated list")
     try:
@@ -255,7 +256,7 @@ def size_configs(c) -> dict[str, dict]:
         b = copy.deepcopy(c.base)
         _merge(b, c.sizes[size])
         try:
-            cfg = training.RunConfig.from_config(b)
+            cfg = RunConfig.from_config(b)
         except (ConfigError, ValueError) as e:
             raise ConfigError(f"config.sizes.{size}: {e}") from None
         params = weight_memory(_abstract_model(cfg), []).params
@@ -266,7 +267,7 @@ def size_configs(c) -> dict[str, dict]:
             steps = max(1, round(cfg.train.steps * scale))
         b.train.steps = steps
         b.name = f"pareto-gpt-{size}-{steps}/{BASELINE}-s0"
-        training.RunConfig.from_config(b)
+        RunConfig.from_config(b)
         out[size] = {"config": b, "steps": steps, "params": params, "tokens": steps * per_step}
     return dict(sorted(out.items(), key=lambda kv: (kv[1]["params"], kv[0])))
 
@@ -418,6 +419,50 @@ def _seed_text(result: dict) -> str:
     return "; ".join(f"{k}: {', '.join(map(str, v))}" for k, v in by_size.items())
 
 
+def _ternary_lines(pts: list[dict]) -> list[str]:
+    """What the study says about ternary weights: on the front or not, and against what."""
+    lines: list[str] = []
+    ternary = [p for p in pts if p["weight_format"] == "ternary"]
+    if not ternary:
+        lines.append("Ternary weights: no ternary recipe in this study.")
+    else:
+        on = [p for p in ternary if p["on_front"]]
+        lines.append(
+            "Ternary weights (BitNet b1.58): "
+            + (
+                f"**on the front** at {', '.join(p['size'] for p in on)}."
+                if on
+                else "**not on the front**: Pareto-suboptimal at every size."
+            )
+        )
+        for p in ternary:
+            rv = p.get("interpolated_rival")
+            if rv is not None:
+                lines.append(
+                    f"- {_where(p)} ({_loss_cell(p)}, {p['memory_mib']:.4f} MiB) against the "
+                    f"best other recipe at the same memory, interpolated between its sizes "
+                    f"(linear in log memory): {rv['recipe']} {rv['loss']:.4f}, ternary "
+                    f"{rv['gap_pct']:+.2f}%."
+                )
+            else:
+                lines.append(
+                    f"- {_where(p)}: no other recipe's sizes bracket its memory "
+                    f"({p['memory_mib']:.4f} MiB), so nothing to set it against there."
+                )
+        for p in ternary:
+            d = p["dominated_by"]
+            if d is not None:
+                rival = next(
+                    q for q in pts if q["size"] == d["size"] and q["recipe"] == d["recipe"]
+                )
+                lines.append(
+                    f"- {_where(p)} ({_loss_cell(p)}, {p['memory_mib']:.4f} MiB) is dominated by "
+                    f"{_where(rival)} ({_loss_cell(rival)}, {rival['memory_mib']:.4f} MiB): "
+                    f"{d['memory_ratio']:.2f}x the memory, {d['loss_gap_pct']:+.2f}% loss."
+                )
+    return lines
+
+
 def render_markdown(result: dict, command: str = "") -> str:
     """The table of every (size, recipe), the front, and what it says about ternary."""
     pts = result["points"]
@@ -474,44 +519,7 @@ def render_markdown(result: dict, command: str = "") -> str:
         + ".",
         "",
     ]
-    ternary = [p for p in pts if p["weight_format"] == "ternary"]
-    if not ternary:
-        lines.append("Ternary weights: no ternary recipe in this study.")
-    else:
-        on = [p for p in ternary if p["on_front"]]
-        lines.append(
-            "Ternary weights (BitNet b1.58): "
-            + (
-                f"**on the front** at {', '.join(p['size'] for p in on)}."
-                if on
-                else "**not on the front**: Pareto-suboptimal at every size."
-            )
-        )
-        for p in ternary:
-            rv = p.get("interpolated_rival")
-            if rv is not None:
-                lines.append(
-                    f"- {_where(p)} ({_loss_cell(p)}, {p['memory_mib']:.4f} MiB) against the "
-                    f"best other recipe at the same memory, interpolated between its sizes "
-                    f"(linear in log memory): {rv['recipe']} {rv['loss']:.4f}, ternary "
-                    f"{rv['gap_pct']:+.2f}%."
-                )
-            else:
-                lines.append(
-                    f"- {_where(p)}: no other recipe's sizes bracket its memory "
-                    f"({p['memory_mib']:.4f} MiB), so nothing to set it against there."
-                )
-        for p in ternary:
-            d = p["dominated_by"]
-            if d is not None:
-                rival = next(
-                    q for q in pts if q["size"] == d["size"] and q["recipe"] == d["recipe"]
-                )
-                lines.append(
-                    f"- {_where(p)} ({_loss_cell(p)}, {p['memory_mib']:.4f} MiB) is dominated by "
-                    f"{_where(rival)} ({_loss_cell(rival)}, {rival['memory_mib']:.4f} MiB): "
-                    f"{d['memory_ratio']:.2f}x the memory, {d['loss_gap_pct']:+.2f}% loss."
-                )
+    lines += _ternary_lines(pts)
     lines += [
         "",
         "Weight memory: every parameter as deployed: each linear kernel that the recipe "

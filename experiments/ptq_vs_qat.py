@@ -28,7 +28,7 @@ left out. With ``float_control`` the float model is fine-tuned the same ``qat_st
 (``float+ft``), the yardstick for QAT: what more training alone gives.
 
 Every row is a packed model (``lowbit.ptq.quantize``) evaluated on the validation batches of
-the float run (``experiments.training.evaluate``): validation loss (and accuracy for digits),
+the float run (``experiments.runs.evaluate``): validation loss (and accuracy for digits),
 the gap to float, and bits per parameter of the quantized weights (codes, scales, smoothing
 vectors and low-rank branches) and of the whole model. Written to ``runs/<name>/``:
 ``ptq_vs_qat.json``, ``ptq_vs_qat.md`` and ``ptq_vs_qat.png`` (the gap per format and row).
@@ -43,7 +43,8 @@ from pathlib import Path
 
 import lowbit as lb
 import lowbit.ptq as ptq
-from experiments import compare, studylib, training
+from experiments import compare, runs, studylib
+from experiments.config import RunConfig, fine_tune_config, quant_rules, split_list
 from experiments.configlib import ConfigError
 
 __all__ = ["FORMATS", "recipe_of", "run_study", "render_markdown", "plot", "main"]
@@ -69,14 +70,14 @@ def recipe_of(fmt: str) -> str:
 
 
 def _metrics(cfg, model, n_eval) -> dict:
-    return training.evaluate(cfg, model, max_batches=n_eval)
+    return runs.evaluate(cfg, model, max_batches=n_eval)
 
 
 def run_study(c, *, log: Callable[[str], None] = print) -> dict:
     """Run the study of the ConfigDict ``c`` (``configs/ptq_vs_qat.py``); returns the results
     written to ``ptq_vs_qat.json``."""
-    formats = training.split_list(c.formats)
-    methods = training.split_list(c.methods)
+    formats = split_list(c.formats)
+    methods = split_list(c.methods)
     for f in formats:
         recipe_of(f)
     for m in methods:
@@ -85,17 +86,17 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
                 f"config.methods: unknown method {m!r}; expected some of {lb.calibrate.METHODS}"
             )
     base = c.base
-    base_cfg = training.RunConfig.from_config(base)
+    base_cfg = RunConfig.from_config(base)
     out_dir = Path(c.workdir) / c.name
     out_dir.mkdir(parents=True, exist_ok=True)
     group = compare.group_of(base_cfg.name)
     t0 = time.perf_counter()
-    float_dir = training.train_or_reuse(base_cfg, log)
-    cfg, model = training.load_trained(float_dir)
+    float_dir = runs.train_or_reuse(base_cfg, log)
+    cfg, model = runs.load_trained(float_dir)
     n_eval = int(c.eval_batches) or None
     float_m = _metrics(cfg, model, n_eval)
     log(f"float: {float_m}")
-    batches = training.calibration_batches(cfg, int(c.calib_batches))
+    batches = runs.calibration_batches(cfg, int(c.calib_batches))
     metric = "val_accuracy" if "val_accuracy" in float_m else "val_loss"
 
     rows: list[dict] = []
@@ -121,7 +122,7 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
 
     for fmt in formats:
         recipe = recipe_of(fmt)
-        rules = training.quant_rules(dataclasses.replace(cfg.quant, recipe=recipe))
+        rules = quant_rules(dataclasses.replace(cfg.quant, recipe=recipe))
         weight_only = fmt.startswith("w4a16_")
         add(fmt, "cast", ptq.quantize(model, rules))
         cal = ptq.calibrate(model, rules, batches, "mse", percentile=float(c.percentile))
@@ -143,19 +144,19 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
             add(fmt, "svdquant", ptq.quantize(model, rules, cal_v, weights="mse", smoothing=sv),
                 {"alpha": sv.alpha, "rank": sv.rank})
         if int(c.qat_steps) > 0:
-            qc = training.fine_tune_config(
+            qc = fine_tune_config(
                 base, recipe=recipe, name=f"{group}/qat-{recipe}-s{cfg.seed}",
                 steps=int(c.qat_steps), lr=float(c.qat_lr), init_from=str(float_dir))
-            qdir = training.train_or_reuse(training.RunConfig.from_config(qc), log)
-            _, qmodel = training.load_trained(qdir)
+            qdir = runs.train_or_reuse(RunConfig.from_config(qc), log)
+            _, qmodel = runs.load_trained(qdir)
             add(fmt, "qat", ptq.quantize(qmodel, rules), {"qat_steps": int(c.qat_steps)})
     control = None
     if c.float_control and int(c.qat_steps) > 0:
-        fc = training.fine_tune_config(
+        fc = fine_tune_config(
             base, recipe="none", name=f"{group}/float-ft-s{cfg.seed}",
             steps=int(c.qat_steps), lr=float(c.qat_lr), init_from=str(float_dir))
-        fdir = training.train_or_reuse(training.RunConfig.from_config(fc), log)
-        _, fmodel = training.load_trained(fdir)
+        fdir = runs.train_or_reuse(RunConfig.from_config(fc), log)
+        _, fmodel = runs.load_trained(fdir)
         control = _metrics(cfg, fmodel, n_eval)
         log(f"float+ft: {control}")
     result = {

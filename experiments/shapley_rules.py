@@ -18,7 +18,6 @@ table (with the command that made it).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ if __package__ in (None, ""):
 import lowbit as lb  # noqa: E402
 import lowbit.autoquant as aq  # noqa: E402
 import lowbit.ptq as ptq  # noqa: E402
-from experiments import training  # noqa: E402
+from experiments import runs, studylib  # noqa: E402
 from experiments.autoquant import cross_entropy  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -51,7 +50,8 @@ def _ints(text: str, what: str) -> list[int]:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parse_args(argv: list[str] | None):
+    """The command line: the namespace, the candidates and the (rule, points) settings."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--run", required=True, help="a finished float GPT run directory")
     p.add_argument("--batches", type=int, default=4, help="calibration batches")
@@ -70,27 +70,33 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"--candidates: {e}")
     settings = [("midpoint", n) for n in _ints(a.midpoint, "midpoint")]
     settings += [("gauss", n) for n in _ints(a.gauss, "gauss")]
-    cfg, model = training.load_trained(a.run)
-    batches = [
+    return a, cands, settings
+
+
+def run_study(run: str, *, batches: int, candidates: list[str], settings: list) -> dict:
+    """Score ``candidates`` on the float run ``run`` under every ``(rule, points)`` of
+    ``settings`` and set each candidate's summed credits against its measured loss change."""
+    cfg, model = runs.load_trained(run)
+    calib = [
         {k: jnp.asarray(v) for k, v in b.items()}
-        for b in training.calibration_batches(cfg, a.batches, full=True)
+        for b in runs.calibration_batches(cfg, batches, full=True)
     ]
     scores, secs = {}, {}
     for rule, n in settings:
         t = time.perf_counter()
         scores[rule, n] = aq.score(
-            model, cross_entropy, batches, cands, method="shapley", steps=n, rule=rule
+            model, cross_entropy, calib, candidates, method="shapley", steps=n, rule=rule
         )
         secs[rule, n] = time.perf_counter() - t
     sites = scores[settings[0]].sites  # no groups: the scored site paths
-    base = training.evaluate(cfg, model, batches=batches)["val_loss"]
+    base = runs.evaluate(cfg, model, batches=calib)["val_loss"]
     measured = {}
-    for c in cands:
+    for c in candidates:
         m = ptq.simulate(model, [(s, c) for s in sites])
-        measured[c] = training.evaluate(cfg, m, batches=batches)["val_loss"] - base
+        measured[c] = runs.evaluate(cfg, m, batches=calib)["val_loss"] - base
     rows = []
     for (rule, n), s in scores.items():
-        for j, c in enumerate(cands, 1):
+        for j, c in enumerate(candidates, 1):
             total = float(s.damage[:, j].sum())
             rows.append(
                 {
@@ -103,11 +109,25 @@ def main(argv: list[str] | None = None) -> dict:
                     "score_seconds": secs[rule, n],
                 }
             )
-    cmd = "python -m experiments.shapley_rules " + " ".join(sys.argv[1:] if argv is None else argv)
+    return {
+        "run": str(run),
+        "sites": list(sites),
+        "batches": batches,
+        "float_loss": base,
+        "measured": measured,
+        "rows": rows,
+    }
+
+
+def render_markdown(result: dict, command: str) -> str:
+    """The command, then the completeness ratio per rule and points (rows) and candidate."""
+    rows, measured = result["rows"], result["measured"]
+    settings = list(dict.fromkeys((x["rule"], x["steps"]) for x in rows))
+    cands = list(dict.fromkeys(x["candidate"] for x in rows))
     lines = [
-        f"`{cmd}`",
+        f"`{command}`",
         "",
-        f"{len(sites)} sites, {a.batches} calibration batches; "
+        f"{len(result['sites'])} sites, {result['batches']} calibration batches; "
         "completeness ratio = summed credits / measured loss change",
         "",
         "| rule | steps | " + " | ".join(cands) + " |",
@@ -119,25 +139,33 @@ def main(argv: list[str] | None = None) -> dict:
             f"| {rule} | {n} | " + " | ".join(f"{r[c]['ratio']:.5f}" for c in cands) + " |"
         )
     lines.append("| measured change | | " + " | ".join(f"{measured[c]:+.4f}" for c in cands) + " |")
-    text = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """The study's CLI (the :mod:`experiments.studylib` convention): prints the table and
+    writes the JSON (``--out``, by default ``experiments/results/shapley_rules_<run's parent
+    folder>.json``); returns what was written."""
+    a, cands, settings = _parse_args(argv)
+    cmd = studylib.command_line("experiments.shapley_rules", argv)
+    result = studylib.run_or_exit(
+        run_study, a.run, batches=a.batches, candidates=cands, settings=settings
+    )
+    text = render_markdown(result, cmd)
     print(text)
     default = RESULTS / f"shapley_rules_{Path(a.run).resolve().parent.name}.json"
     out = Path(a.out) if a.out else default
     out.parent.mkdir(parents=True, exist_ok=True)
+    rows = result["rows"]
     payload = {
         "command": cmd,
-        "run": str(a.run),
-        "sites": list(sites),
-        "batches": a.batches,
-        "float_loss": base,
-        "measured": measured,
-        "rows": rows,
+        **result,
         "table": text,
         "completeness_error": {
             f"{x['rule']}-{x['steps']}-{x['candidate']}": abs(x["ratio"] - 1) for x in rows
         },
     }
-    out.write_text(json.dumps(payload, indent=1))
+    studylib.write_json(out, payload)
     return payload
 
 

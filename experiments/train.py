@@ -1,4 +1,4 @@
-"""Train one run from a config file (the logic lives in :mod:`experiments.training`): a GPT
+"""Train one run from a config file (the logic lives in :mod:`experiments.trainer`): a GPT
 on text (``configs/gpt.py``) or a ViT on handwritten digits (``configs/digits.py``).
 
     python -m experiments.train --config configs/gpt.py:size=tiny,recipe=mxfp4
@@ -29,7 +29,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments import data as data_lib
-from experiments import distributed, training
+from experiments import distributed, trainer
+from experiments.config import RunConfig
 from experiments.configlib import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -43,8 +44,8 @@ start_processes = distributed.define_flags()
 EXPECTED_ERRORS = (
     ConfigError,
     data_lib.DataError,
-    training.TrainingDiverged,
-    training.RunExists,
+    trainer.TrainingDiverged,
+    trainer.RunExists,
 )
 
 
@@ -54,8 +55,8 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     start_processes()
     try:
-        cfg = training.RunConfig.from_config(_CONFIG.value)
-        result = training.train(cfg, resume=_RESUME.value)
+        cfg = RunConfig.from_config(_CONFIG.value)
+        result = trainer.train(cfg, resume=_RESUME.value)
     except (*EXPECTED_ERRORS, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -1,6 +1,7 @@
 """A small vision transformer on scikit-learn's handwritten digits: the second model family of
 the low-bit training experiments (``configs/digits.py``; the loop is
-:mod:`experiments.training`, which dispatches on ``config.family``).
+:mod:`experiments.trainer`, which dispatches on ``config.family`` through
+:mod:`experiments.families`).
 
 Model (:class:`ViT`, Flax NNX): the image is cut into ``patch x patch`` patches, each flattened
 and embedded by an ``nnx.Linear``; a learned position embedding is added; pre-norm transformer
@@ -51,7 +52,6 @@ import functools
 import gzip
 import hashlib
 import importlib.util
-import math
 import pathlib
 from collections.abc import Iterator
 
@@ -62,6 +62,7 @@ import optax
 from flax import nnx
 
 from experiments.data import DataError
+from experiments.model import MLP, Attention
 
 __all__ = [
     "ViTConfig",
@@ -186,56 +187,17 @@ def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, *, std: float = INIT_STD, dty
     )
 
 
-class Attention(nnx.Module):
-    """Bidirectional multi-head self-attention: fused ``qkv`` projection, ``out`` projection,
-    both on ``[B * T, D]`` activations."""
-
-    def __init__(self, cfg: ViTConfig, *, rngs: nnx.Rngs):
-        d, dt = cfg.d_model, cfg.compute_dtype
-        self.cfg = cfg
-        self.qkv = _linear(d, 3 * d, rngs, dtype=dt)
-        self.out = _linear(d, d, rngs, std=INIT_STD / math.sqrt(2 * cfg.layers), dtype=dt)
-
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        b, t, d = x_BTD.shape
-        h, k = self.cfg.heads, self.cfg.head_dim
-        qkv_BT3HK = self.qkv(x_BTD.reshape(b * t, d)).reshape(b, t, 3, h, k)
-        q_BTHK, k_BTHK, v_BTHK = (qkv_BT3HK[:, :, i] for i in range(3))
-        scores_BHTS = jnp.einsum(
-            "bthk,bshk->bhts", q_BTHK, k_BTHK, preferred_element_type=jnp.float32
-        ) / np.float32(math.sqrt(k))
-        probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1)
-        y_BTHK = jnp.einsum(
-            "bhts,bshk->bthk",
-            probs_BHTS.astype(v_BTHK.dtype),
-            v_BTHK,
-            preferred_element_type=jnp.float32,
-        ).astype(x_BTD.dtype)
-        return self.out(y_BTHK.reshape(b * t, d)).reshape(b, t, d)
-
-
-class MLP(nnx.Module):
-    """Dense GELU MLP on ``[B * T, D]`` activations: ``up`` (d -> ratio d), GELU, ``down``."""
-
-    def __init__(self, cfg: ViTConfig, *, rngs: nnx.Rngs):
-        d, f, dt = cfg.d_model, cfg.d_ff, cfg.compute_dtype
-        self.up = _linear(d, f, rngs, dtype=dt)
-        self.down = _linear(f, d, rngs, std=INIT_STD / math.sqrt(2 * cfg.layers), dtype=dt)
-
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        b, t, d = x_BTD.shape
-        return self.down(nnx.gelu(self.up(x_BTD.reshape(b * t, d)))).reshape(b, t, d)
-
-
 class Block(nnx.Module):
-    """Pre-norm transformer block: ``x + attn(norm1(x))``, then ``+ mlp(norm2(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm1(x))``, then ``+ mlp(norm2(x))``; the
+    GPT's :class:`experiments.model.Attention` (bidirectional) and
+    :class:`experiments.model.MLP`, both on ``[B * T, D]`` activations."""
 
     def __init__(self, cfg: ViTConfig, *, rngs: nnx.Rngs):
         d, dt = cfg.d_model, cfg.compute_dtype
         self.norm1 = nnx.LayerNorm(d, dtype=dt, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs, causal=False, flat=True)
         self.norm2 = nnx.LayerNorm(d, dtype=dt, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs, flat=True)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         x_BTD = x_BTD + self.attn(self.norm1(x_BTD))

@@ -21,7 +21,8 @@ import lowbit as lb
 import lowbit.autoquant as aq
 import lowbit.flax as lbf
 from configs import autoquant as study_config
-from experiments import autoquant, training
+from experiments import autoquant, trainer
+from experiments.config import RunConfig, config_diff, quant_rules
 from experiments.configlib import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,7 +130,7 @@ def test_the_full_study_and_a_run_trained_with_a_plan(full_study):
     check_study(full_study, aq.METHODS, (4.5, 6.0))
     c, result, _ = full_study
     (q,) = [q for q in result["qat"] if q["budget"] == 4.5][:1]
-    cfg = training.RunConfig.from_config(json.loads((Path(q["run"]) / "config.json").read_text()))
+    cfg = RunConfig.from_config(json.loads((Path(q["run"]) / "config.json").read_text()))
     check_planned_sites(cfg)
     assert aq.Plan.load(Path(q["run"]) / "plan.json") == aq.Plan.load(cfg.quant.plan)
 
@@ -138,21 +139,21 @@ def test_a_config_with_a_plan_quantizes_exactly_the_planned_sites(study):
     c, result, _ = study
     base = c.base.copy_and_resolve_references()
     base.quant.plan = result["plans"][0]["plan_file"]
-    check_planned_sites(training.RunConfig.from_config(base), init_from=False)
+    check_planned_sites(RunConfig.from_config(base), init_from=False)
 
 
 def check_planned_sites(cfg, init_from: bool = True):
     plan = aq.Plan.load(cfg.quant.plan)
     assert plan.bits <= 4.5 and cfg.quant.recipe == "none" and bool(cfg.init_from) == init_from
     want = {p: plan.choices[g] for g, ps in plan.members.items() for p in ps}
-    model = training.build_model(cfg)
+    model = trainer.build_model(cfg)
     got = {s.path: (s.recipe.name if s.recipe is not None else "none")
-           for s in lbf.sites(model, training.quant_rules(cfg.quant)) if s.kernel is not None}
+           for s in lbf.sites(model, quant_rules(cfg.quant)) if s.kernel is not None}
     assert {p: r for p, r in got.items() if p in want} == want
     assert set(got) - set(want) == {"head"}  # not planned: high_precision (embed: no GEMM)
     assert {got[p] for p in set(got) - set(want)} == {"none"}
     # and the float model with the plan's rules runs them too
-    sites = lbf.sites(training.build_float_model(cfg), plan.rules())
+    sites = lbf.sites(trainer.build_float_model(cfg), plan.rules())
     assert {s.path: s.recipe.name for s in sites if s.recipe is not None} == {
         p: r for p, r in want.items() if r != "none"
     }
@@ -163,21 +164,21 @@ def test_quant_plan_is_validated_and_recorded(study, tmp_path):
     plan_file = result["plans"][0]["plan_file"]
     base = c.base
     base.quant.plan = plan_file
-    cfg = training.RunConfig.from_config(base)
+    cfg = RunConfig.from_config(base)
     assert cfg.quant.plan == str(Path(plan_file).resolve())
     assert cfg.to_json()["quant"]["plan"] == cfg.quant.plan
     # a run written before the field existed compares equal to plan=None
-    old = training.RunConfig.from_config(c.base.to_dict() | {"quant": {"recipe": "none"}})
+    old = RunConfig.from_config(c.base.to_dict() | {"quant": {"recipe": "none"}})
     saved = old.to_json()
     del saved["quant"]["plan"]
-    assert not [d for d in training.config_diff(saved, old.to_json()) if "plan" in d]
+    assert not [d for d in config_diff(saved, old.to_json()) if "plan" in d]
     base.quant.plan = str(tmp_path / "missing.json")
     with pytest.raises(ConfigError, match=r"quant\.plan=.*missing\.json"):
-        training.RunConfig.from_config(base)
+        RunConfig.from_config(base)
     (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
     base.quant.plan = str(tmp_path / "other.json")
     with pytest.raises(ConfigError, match=r"quant\.plan=.*not a saved plan"):
-        training.RunConfig.from_config(base)
+        RunConfig.from_config(base)
     base.quant.plan = None
 
 
@@ -206,14 +207,14 @@ def test_resume_refuses_a_plan_file_that_changed(study, tmp_path):
     plan.save(plan_file)
     base.quant.plan = str(plan_file)
     base.workdir = str(tmp_path / "runs")
-    cfg = training.RunConfig.from_config(base)
+    cfg = RunConfig.from_config(base)
     cfg.run_dir.mkdir(parents=True)
     (cfg.run_dir / "config.json").write_text(json.dumps(cfg.to_json()))
     none = {"none": lb.recipes.get("none")}
     changed = dataclasses.replace(plan, choices={k: "none" for k in plan.choices}, recipes=none)
     changed.save(cfg.run_dir / "plan.json")  # the copy a run made at its start
     with pytest.raises(ConfigError, match=r"plan file quant\.plan=.* changed since"):
-        training.train(cfg, resume=True, log=_quiet)
+        trainer.train(cfg, resume=True, log=_quiet)
     assert aq.Plan.load(cfg.run_dir / "plan.json") == changed  # nothing was overwritten
 
 

@@ -22,7 +22,8 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import distributed, training
+from experiments import checkpoints, distributed, metrics, trainer
+from experiments.config import RunConfig
 from experiments.configlib import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,10 +72,10 @@ def _set(c, s: dict) -> None:
         node[leaf] = v
 
 
-def in_process(s: dict, resume: bool = False) -> training.RunResult:
+def in_process(s: dict, resume: bool = False) -> trainer.RunResult:
     c = load_config(f"{ROOT / 'configs/gpt.py'}:size=tiny")
     _set(c, s)
-    return training.train(training.RunConfig.from_config(c), resume=resume, log=lambda *_: None)
+    return trainer.train(RunConfig.from_config(c), resume=resume, log=lambda *_: None)
 
 
 def _free_port() -> int:
@@ -135,7 +136,7 @@ def run_two(s: dict, *extra: str) -> list[tuple[int, str, str]]:
 def train_losses(run_dir: Path) -> dict[int, float]:
     return {
         r["step"]: r["loss"]
-        for r in training.read_metrics(run_dir / "metrics.jsonl")
+        for r in metrics.read_metrics(run_dir / "metrics.jsonl")
         if r["kind"] == "train"
     }
 
@@ -162,8 +163,8 @@ def test_two_processes_train_as_one_and_checkpoints_move_between_them(tmp_path, 
     np.testing.assert_allclose(got, [full.losses[k] for k in range(1, 13)], rtol=2e-4)
     np.testing.assert_allclose(last.final_val_loss, full.final_val_loss, rtol=2e-4)
     # Each record once, in order: the two processes wrote one file between them.
-    steps = [(r["kind"], r["step"]) for r in training.read_metrics(run_dir / "metrics.jsonl")]
-    assert steps == [(r["kind"], r["step"]) for r in training.read_metrics(full.metrics_path)]
+    steps = [(r["kind"], r["step"]) for r in metrics.read_metrics(run_dir / "metrics.jsonl")]
+    assert steps == [(r["kind"], r["step"]) for r in metrics.read_metrics(full.metrics_path)]
 
 
 def test_a_killed_process_stops_the_other_and_its_last_checkpoint_restores(tmp_path, corpus):
@@ -191,12 +192,12 @@ def test_a_killed_process_stops_the_other_and_its_last_checkpoint_restores(tmp_p
     # The newest complete checkpoint restores here (4 devices), its parameters finite.
     c = load_config(f"{ROOT / 'configs/gpt.py'}:size=tiny")
     _set(c, s)
-    cfg = training.RunConfig.from_config(c)
-    mngr = training._ckpt_manager(cfg)
+    cfg = RunConfig.from_config(c)
+    mngr = checkpoints.run_manager(cfg)
     step = int(mngr.latest_step())
     assert step >= 2 and (ckpts / str(step)).is_dir()
-    trainer = training._Trainer(cfg, training.make_mesh(cfg.mesh))
-    state, data = training._restore(mngr, trainer, step)
+    tr = trainer.Trainer(cfg, trainer.make_mesh(cfg.mesh))
+    state, data = checkpoints.restore(mngr, step, tr.abstract, tr.state_sharding)
     mngr.close()
     assert int(state["step"]) == step and data["position"] > 0, (state["step"], data)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))

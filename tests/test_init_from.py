@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from experiments import checkpoints, runs, trainer
 from experiments import data as data_lib
-from experiments import training
+from experiments.config import RunConfig, config_diff
 from experiments.configlib import ConfigError, load_config
 from tests.test_train import ROOT, quiet, tiny
 
@@ -55,12 +56,12 @@ def _digest(run_dir: Path) -> dict[str, str]:
     }
 
 
-def _params(cfg: training.RunConfig, step: int):
+def _params(cfg: RunConfig, step: int):
     """The parameters of ``cfg``'s checkpoint ``step`` (as numpy, by path), read as --resume
     reads a whole train state (not init_from's params-only path)."""
-    trainer = training._Trainer(cfg, training.make_mesh(cfg.mesh))
-    mngr = training._ckpt_manager(cfg)
-    state, _ = training._restore(mngr, trainer, step)
+    tr = trainer.Trainer(cfg, trainer.make_mesh(cfg.mesh))
+    mngr = checkpoints.run_manager(cfg)
+    state, _ = checkpoints.restore(mngr, step, tr.abstract, tr.state_sharding)
     mngr.close()
     return {
         jax.tree_util.keystr(k): np.asarray(v)
@@ -72,8 +73,8 @@ def _params(cfg: training.RunConfig, step: int):
 def source(tmp_path_factory, corpus):
     """A float ("none") run of 8 steps: (its RunConfig, its RunResult, its files' digests)."""
     c = _float(tmp_path_factory.mktemp("source"), corpus, steps=SOURCE_STEPS, checkpoint_every=4)
-    cfg = training.RunConfig.from_config(c)
-    r = training.train(cfg, log=quiet)
+    cfg = RunConfig.from_config(c)
+    r = trainer.train(cfg, log=quiet)
     return cfg, r, _digest(cfg.run_dir)
 
 
@@ -81,9 +82,9 @@ def source(tmp_path_factory, corpus):
 def float_loss(source):
     """The source model's loss on the first batch of a seed-``SEED`` run."""
     cfg = source[0]
-    trainer = training._Trainer(cfg, training.make_mesh(cfg.mesh))
-    mngr = training._ckpt_manager(cfg)
-    state, _ = training._restore(mngr, trainer, SOURCE_STEPS)
+    tr = trainer.Trainer(cfg, trainer.make_mesh(cfg.mesh))
+    mngr = checkpoints.run_manager(cfg)
+    state, _ = checkpoints.restore(mngr, SOURCE_STEPS, tr.abstract, tr.state_sharding)
     mngr.close()
     dataset = data_lib.load(cfg.data, log=quiet)
     batch = next(
@@ -91,7 +92,7 @@ def float_loss(source):
             dataset.train, batch_size=cfg.train.batch_size, seq_len=cfg.model.seq_len, seed=SEED
         )
     )
-    return float(trainer.eval(state, trainer.put_batch(batch)))
+    return float(tr.eval(state, tr.put_batch(batch)))
 
 
 def test_an_init_from_run_starts_from_the_source_parameters_and_resumes_from_its_own(
@@ -104,8 +105,8 @@ def test_an_init_from_run_starts_from_the_source_parameters_and_resumes_from_its
     # it holds are the loaded ones. A state taken from the source whole (its step 8, its
     # optimizer) would have moved them; a random init would differ everywhere.
     c = _from(tmp_path, corpus, copy, steps=4, stop_at=1)
-    cfg = training.RunConfig.from_config(c)
-    first = training.train(cfg, log=quiet)
+    cfg = RunConfig.from_config(c)
+    first = trainer.train(cfg, log=quiet)
     assert sorted(first.losses) == [1]
     got, want = _params(cfg, 1), _params(src_cfg, SOURCE_STEPS)
     assert got.keys() == want.keys() and got
@@ -125,12 +126,12 @@ def test_an_init_from_run_starts_from_the_source_parameters_and_resumes_from_its
     # --resume with another init_from is refused like any config change.
     c.init_from = str(src_cfg.run_dir)
     with pytest.raises(ConfigError, match=r"--resume with a config that differs.*init_from: '"):
-        training.train(training.RunConfig.from_config(c), resume=True, log=quiet)
+        trainer.train(RunConfig.from_config(c), resume=True, log=quiet)
     # Resuming continues from the run's own checkpoint: the source is not needed any more.
     c.init_from = str(copy)
     shutil.rmtree(copy)
     c.train.stop_at = 0
-    rest = training.train(training.RunConfig.from_config(c), resume=True, log=quiet)
+    rest = trainer.train(RunConfig.from_config(c), resume=True, log=quiet)
     assert sorted(rest.losses) == [2, 3, 4] and np.isfinite(list(rest.losses.values())).all()
 
 
@@ -138,10 +139,10 @@ def test_a_qat_run_from_a_float_checkpoint_starts_near_the_float_loss(
     tmp_path, corpus, source, float_loss
 ):
     src_cfg, src, digests = source
-    cfg = training.RunConfig.from_config(
+    cfg = RunConfig.from_config(
         _from(tmp_path, corpus, src_cfg.run_dir, "qat_mxfp4", steps=2)
     )
-    r = training.train(cfg, log=quiet)
+    r = trainer.train(cfg, log=quiet)
     # A random init starts at ~ln(256) = 5.55 nats; the float source, after 8 steps, is well
     # below (its last train loss is asserted to be, so the check below has room to fail).
     assert src.losses[SOURCE_STEPS] < math.log(256) - 1.5, src.losses
@@ -164,7 +165,7 @@ def test_bad_init_from_sources_are_refused_before_anything_is_written(tmp_path, 
         c = _from(tmp_path / "new", corpus, init_from)
         c.model.update(model)
         with pytest.raises(ConfigError, match=match):
-            training.train(training.RunConfig.from_config(c), log=quiet)
+            trainer.train(RunConfig.from_config(c), log=quiet)
 
     expected = r"expected a run directory written by experiments\.train"
     refused(tmp_path / "nowhere", rf"init_from='.*nowhere' does not exist; {expected}")
@@ -199,27 +200,27 @@ def test_bad_init_from_sources_are_refused_before_anything_is_written(tmp_path, 
     # A run cannot start from its own directory.
     c = _from(tmp_path / "own", corpus, "")
     c.init_from = str(Path(c.workdir) / c.name)
-    cfg = training.RunConfig.from_config(c)
+    cfg = RunConfig.from_config(c)
     cfg.run_dir.mkdir(parents=True)
     shutil.copy(src_cfg.run_dir / "config.json", cfg.run_dir)
     with pytest.raises(ConfigError, match=r"is this run's own directory; pass --resume"):
-        training.train(cfg, log=quiet)
+        trainer.train(cfg, log=quiet)
 
 
 def test_init_from_is_resolved_recorded_and_optional(tmp_path, corpus, monkeypatch):
     c = _float(tmp_path, corpus)
-    assert c.init_from == "" and training.RunConfig.from_config(c).init_from == ""
+    assert c.init_from == "" and RunConfig.from_config(c).init_from == ""
     monkeypatch.chdir(tmp_path)
     c.init_from = "runs/float"
-    cfg = training.RunConfig.from_config(c)
+    cfg = RunConfig.from_config(c)
     assert cfg.init_from == str(tmp_path.resolve() / "runs/float")
     assert cfg.to_json()["init_from"] == cfg.init_from
     # A config.json written before init_from existed resumes as a run without one.
     c.init_from = ""
-    now = training.RunConfig.from_config(c).to_json()
+    now = RunConfig.from_config(c).to_json()
     older = {k: v for k, v in now.items() if k != "init_from"}
-    assert training.config_diff(older, now) == []
-    assert training.config_diff(older, cfg.to_json()) == [f"init_from: '' -> {cfg.init_from!r}"]
+    assert config_diff(older, now) == []
+    assert config_diff(older, cfg.to_json()) == [f"init_from: '' -> {cfg.init_from!r}"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,7 +229,7 @@ def test_init_from_is_resolved_recorded_and_optional(tmp_path, corpus, monkeypat
 
 def test_load_trained_and_evaluate_reproduce_the_gpt_runs_final_validation_loss(source):
     src_cfg, src, _ = source
-    cfg, model = training.load_trained(src_cfg.run_dir)
+    cfg, model = runs.load_trained(src_cfg.run_dir)
     assert cfg == src_cfg and cfg.family == "gpt"
     assert type(model).__name__ == "GPT"
     assert model.blocks[0].mlp.up.dot_general is jax.lax.dot_general  # not quantized
@@ -242,7 +243,7 @@ def test_load_trained_and_evaluate_reproduce_the_gpt_runs_final_validation_loss(
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
     summary = json.loads((src_cfg.run_dir / "summary.json").read_text())
     # Bit for bit: the loop's final eval batches, program and reduction.
-    assert training.evaluate(cfg, model) == {"val_loss": summary["final_val_loss"]}
+    assert runs.evaluate(cfg, model) == {"val_loss": summary["final_val_loss"]}
     assert summary["final_val_loss"] == src.final_val_loss
 
 
@@ -253,14 +254,14 @@ def test_a_run_written_before_the_family_key_loads_and_resumes_as_gpt(tmp_path, 
     saved = json.loads((old / "config.json").read_text())
     assert saved.pop("family") == "gpt"
     (old / "config.json").write_text(json.dumps(saved))
-    cfg, _ = training.load_trained(old)
+    cfg, _ = runs.load_trained(old)
     assert cfg.family == "gpt"
-    assert training.config_diff(saved, src_cfg.to_json()) == []
+    assert config_diff(saved, src_cfg.to_json()) == []
 
 
 def test_calibration_batches_are_the_gpt_runs_first_training_windows(source):
     src_cfg, _, _ = source
-    a = training.calibration_batches(src_cfg, 2)
+    a = runs.calibration_batches(src_cfg, 2)
     assert [x.shape for x in a] == [(src_cfg.train.batch_size, src_cfg.model.seq_len)] * 2
     assert all(x.dtype == np.int32 for x in a)
     dataset = data_lib.load(src_cfg.data, log=quiet)
@@ -270,7 +271,7 @@ def test_calibration_batches_are_the_gpt_runs_first_training_windows(source):
         seq_len=src_cfg.model.seq_len,
         seed=src_cfg.seed,
     )
-    for x, y in zip(a, training.calibration_batches(src_cfg, 2), strict=True):
+    for x, y in zip(a, runs.calibration_batches(src_cfg, 2), strict=True):
         np.testing.assert_array_equal(x, y)
         np.testing.assert_array_equal(x, next(stream)["inputs"])
     train, val = bytes(dataset.train), bytes(dataset.val)
@@ -288,7 +289,7 @@ def test_a_digits_run_cannot_start_from_a_gpt_run(tmp_path, source):
         ConfigError,
         match=r"init_from='.*': the source run is of model family 'gpt', this config's is 'vit'",
     ):
-        training.train(training.RunConfig.from_config(c), log=quiet)
+        trainer.train(RunConfig.from_config(c), log=quiet)
     assert not (tmp_path / "runs").exists()
     assert _digest(src_cfg.run_dir) == digests
 
@@ -303,9 +304,9 @@ def test_rerun_will_not_delete_the_source_of_another_run(tmp_path):
     dep = tmp_path / "g" / "qat_mxfp4-s0"
     dep.mkdir()
     (dep / "config.json").write_text(json.dumps({"init_from": str(src.resolve())}))
-    assert training.runs_started_from(src, tmp_path) == [dep]
+    assert runs.runs_started_from(src, tmp_path) == [dep]
     with pytest.raises(ConfigError, match=r"init_from source of .*qat_mxfp4-s0"):
-        training.remove_run(src, workdir=tmp_path)
+        runs.remove_run(src, workdir=tmp_path)
     assert (src / "checkpoints").exists()
-    training.remove_run(dep, workdir=tmp_path)  # nothing started from it
+    runs.remove_run(dep, workdir=tmp_path)  # nothing started from it
     assert not dep.exists()

@@ -172,3 +172,51 @@ def test_lowbit_reaches_the_kernels_through_one_table():
                  and isinstance(n.value, str) and id(n) not in docs
                  and n.value.startswith("pallas_kernels")]
         assert not names, f"{module} names {names}"
+
+
+def _graph(packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports (imports inside functions included)."""
+    out: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        if module.split(".")[0] not in packages:
+            continue
+        deps = out.setdefault(module, set())
+        for target, _, _ in imports(module, path):
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != module and target.split(".")[0] in packages:
+                deps.add(target)
+    return out
+
+
+def test_no_import_cycles_in_experiments_and_benchmarks():
+    graph = _graph(("experiments", "benchmarks"))
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                return [*path, m, d]
+            if d not in state and (cycle := visit(d, [*path, m])):
+                return cycle
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            cycle = visit(m, [])
+            assert cycle is None, "import cycle: " + " -> ".join(cycle[cycle.index(cycle[-1]):])
+
+
+def test_no_function_over_100_lines_in_experiments_and_benchmarks():
+    long = []
+    for module, path in MODULES.items():
+        if module.split(".")[0] not in ("experiments", "benchmarks"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > 100:
+                    long.append(f"{module}.{node.name} ({n} lines)")
+    assert not long, f"functions over 100 lines: {long}"

@@ -11,7 +11,8 @@ import pytest
 
 import lowbit as lb
 from configs import pareto as study_config
-from experiments import pareto, training
+from experiments import pareto, trainer
+from experiments.config import RunConfig, quant_rules
 from experiments.configlib import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,8 +43,8 @@ def _tiny_model(recipe: str, high_precision: str | None = None):
     b.quant.recipe = recipe
     if high_precision is not None:
         b.quant.high_precision = high_precision
-    cfg = training.RunConfig.from_config(b)
-    return training.build_float_model(cfg), training.quant_rules(cfg.quant)
+    cfg = RunConfig.from_config(b)
+    return trainer.build_float_model(cfg), quant_rules(cfg.quant)
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 import lowbit as lb
-from experiments import compare, training
+from experiments import checkpoints, compare, metrics, trainer
 from experiments import data as data_lib
+from experiments.config import MeshConfig, RunConfig
 from experiments.configlib import ConfigError, load_config
 from pallas_kernels._common import TRITON_CUSTOM_CALL_TARGETS, export_for_cuda
 from pallas_kernels.quantized_gemm import kernel_supports
@@ -81,7 +82,7 @@ def test_every_config_file_loads(path):
         args += ["family=digits,size=s", "family=gpt,size=tiny"]
     for arg in args:
         c = load_config(f"{path}:{arg}" if arg else str(path))
-        cfg = training.RunConfig.from_config(c.base if "base" in c else c)
+        cfg = RunConfig.from_config(c.base if "base" in c else c)
         assert cfg.model.dtype == "float32"  # auto -> float32 on CPU
         assert cfg.run_dir.parts[0] == "runs"
 
@@ -91,7 +92,7 @@ def test_config_sizes_span_half_a_million_to_twenty_million_parameters():
 
     counts = {}
     for size in ("xs", "l"):
-        cfg = training.RunConfig.from_config(load_config(f"{ROOT}/configs/gpt.py:size={size}"))
+        cfg = RunConfig.from_config(load_config(f"{ROOT}/configs/gpt.py:size={size}"))
         counts[size] = n_params(cfg.model)
     assert 0.4e6 <= counts["xs"] <= 0.8e6, counts
     assert 15e6 <= counts["l"] <= 25e6, counts
@@ -105,34 +106,34 @@ def test_bad_config_arguments_and_keys_are_named():
     c = load_config(f"{ROOT}/configs/gpt.py")
     c.train.lerning_rate = 1.0
     with pytest.raises(ConfigError, match=r"config\.train: unknown key\(s\) \['lerning_rate'\]"):
-        training.RunConfig.from_config(c)
+        RunConfig.from_config(c)
 
 
 def test_quant_implementation_defaults_to_none_and_is_validated(tmp_path, corpus):
     c = load_config(f"{ROOT}/configs/gpt.py")
     assert c.quant.implementation is None
-    assert training.RunConfig.from_config(c).quant.implementation is None
+    assert RunConfig.from_config(c).quant.implementation is None
     for impl in ("xla", "pallas"):
         c.quant.implementation = impl
-        assert training.RunConfig.from_config(c).quant.implementation == impl
+        assert RunConfig.from_config(c).quant.implementation == impl
     c.quant.implementation = "triton"
     with pytest.raises(ConfigError, match=r"quant\.implementation must be one of .*'triton'"):
-        training.RunConfig.from_config(c)
+        RunConfig.from_config(c)
 
 
 def test_unknown_recipe_is_a_clear_error(tmp_path, corpus):
     with pytest.raises(ConfigError, match=r"quant\.recipe.*'mxfp3'.*mxfp4"):
-        training.RunConfig.from_config(tiny(tmp_path, corpus, recipe="mxfp3"))
+        RunConfig.from_config(tiny(tmp_path, corpus, recipe="mxfp3"))
 
 
 def test_a_hadamard_block_that_does_not_divide_the_model_is_named(tmp_path, corpus):
     c = tiny(tmp_path, corpus, recipe="mxfp4_bwd")
     c.model.seq_len = 32
     with pytest.raises(ConfigError, match=r"Hadamard transforms of 64.*model\.seq_len=32"):
-        training.RunConfig.from_config(c)
+        RunConfig.from_config(c)
     c.model.seq_len, c.model.d_model = 64, 96
     with pytest.raises(ConfigError, match=r"model\.d_model=96 must be a multiple of 64"):
-        training.RunConfig.from_config(c)
+        RunConfig.from_config(c)
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,8 +162,8 @@ def _recipe_cases():
 @pytest.mark.parametrize("recipe", _recipe_cases())
 def test_a_tiny_run_of_each_recipe_lowers_the_loss(tmp_path, corpus, recipe):
     # No checkpoints (the resume tests cover them): this test is about the losses.
-    cfg = training.RunConfig.from_config(tiny(tmp_path, corpus, recipe, checkpoint_every=0))
-    r = training.train(cfg, log=quiet)
+    cfg = RunConfig.from_config(tiny(tmp_path, corpus, recipe, checkpoint_every=0))
+    r = trainer.train(cfg, log=quiet)
     losses = [r.losses[s] for s in sorted(r.losses)]
     assert len(losses) == cfg.train.steps
     assert all(np.isfinite(losses))
@@ -171,7 +172,7 @@ def test_a_tiny_run_of_each_recipe_lowers_the_loss(tmp_path, corpus, recipe):
     # Validation (the corpus's last 10%, more code than prose) falls less: on this corpus float
     # reaches 4.31 nats and the worst recipe, mxfp4, 4.55; a run that learns nothing stays at 5.5.
     assert r.final_val_loss < losses[0] - 0.75
-    recs = training.read_metrics(r.metrics_path)
+    recs = metrics.read_metrics(r.metrics_path)
     assert [x["step"] for x in recs if x["kind"] == "eval"] == [10, 20]
     summary = json.loads((r.run_dir / "summary.json").read_text())
     assert summary["recipe"] == recipe and summary["final_val_loss"] == r.final_val_loss
@@ -183,37 +184,37 @@ def test_a_stopped_and_resumed_run_reproduces_the_uninterrupted_one(tmp_path, co
     # nvfp4 draws stochastic-rounding keys and random Hadamard signs from the quantizer's rng
     # stream: its state must be checkpointed too for the losses to match bit for bit (mxfp4,
     # deterministic, runs with make test-slow).
-    full = training.train(
-        training.RunConfig.from_config(
+    full = trainer.train(
+        RunConfig.from_config(
             tiny(tmp_path / "a", corpus, recipe, steps=12, checkpoint_every=4, eval_every=6)
         ),
         log=quiet,
     )
     cfg = tiny(tmp_path / "b", corpus, recipe, steps=12, checkpoint_every=4, eval_every=6)
     cfg.train.stop_at = 6
-    first = training.train(training.RunConfig.from_config(cfg), log=quiet)
+    first = trainer.train(RunConfig.from_config(cfg), log=quiet)
     assert first.step == 6 and sorted(first.losses) == list(range(1, 7))
-    with pytest.raises(training.RunExists, match="--resume"):
-        training.train(training.RunConfig.from_config(cfg), log=quiet)
+    with pytest.raises(trainer.RunExists, match="--resume"):
+        trainer.train(RunConfig.from_config(cfg), log=quiet)
     cfg.train.stop_at = 0
-    rest = training.train(training.RunConfig.from_config(cfg), resume=True, log=quiet)
+    rest = trainer.train(RunConfig.from_config(cfg), resume=True, log=quiet)
     assert sorted(rest.losses) == list(range(7, 13))  # resumed from the checkpoint at step 6
     for s in range(1, 13):
         got = first.losses[s] if s <= 6 else rest.losses[s]
         assert got == full.losses[s], (s, got, full.losses[s])
     assert rest.final_val_loss == full.final_val_loss
     # The metrics file reads as one uninterrupted run.
-    a = [(x["kind"], x["step"]) for x in training.read_metrics(full.metrics_path)]
-    b = [(x["kind"], x["step"]) for x in training.read_metrics(rest.metrics_path)]
+    a = [(x["kind"], x["step"]) for x in metrics.read_metrics(full.metrics_path)]
+    b = [(x["kind"], x["step"]) for x in metrics.read_metrics(rest.metrics_path)]
     assert a == b
 
 
 def test_resume_with_a_changed_config_is_refused(tmp_path, corpus):
     cfg = tiny(tmp_path, corpus, steps=4, checkpoint_every=2, eval_every=2)
-    training.train(training.RunConfig.from_config(cfg), log=quiet)
+    trainer.train(RunConfig.from_config(cfg), log=quiet)
     cfg.train.lr = 5e-3
     with pytest.raises(ConfigError, match=r"train\.lr: 0\.01 -> 0\.005"):
-        training.train(training.RunConfig.from_config(cfg), resume=True, log=quiet)
+        trainer.train(RunConfig.from_config(cfg), resume=True, log=quiet)
 
 
 @pytest.mark.parametrize("recipe", [pytest.param("none", marks=pytest.mark.slow), "mxfp8"])
@@ -223,7 +224,7 @@ def test_one_and_four_devices_give_the_same_losses(tmp_path, corpus, recipe):
     for data, fsdp in ((1, 1), (2, 2)):
         c = tiny(tmp_path / f"{data}x{fsdp}", corpus, recipe, steps=8, eval_every=8)
         c.mesh.data, c.mesh.fsdp = data, fsdp
-        runs[data * fsdp] = training.train(training.RunConfig.from_config(c), log=quiet)
+        runs[data * fsdp] = trainer.train(RunConfig.from_config(c), log=quiet)
     one, four = runs[1], runs[4]
     a = np.array([one.losses[s] for s in range(1, 9)])
     b = np.array([four.losses[s] for s in range(1, 9)])
@@ -234,9 +235,9 @@ def test_one_and_four_devices_give_the_same_losses(tmp_path, corpus, recipe):
 
 
 def test_fsdp_shards_parameters_and_optimizer_state(tmp_path, corpus):
-    c = training.RunConfig.from_config(tiny(tmp_path, corpus))
-    mesh = training.make_mesh(training.MeshConfig(data=2, fsdp=2))
-    tr = training._Trainer(c, mesh)
+    c = RunConfig.from_config(tiny(tmp_path, corpus))
+    mesh = trainer.make_mesh(MeshConfig(data=2, fsdp=2))
+    tr = trainer.Trainer(c, mesh)
     state = tr.init_state()
     leaves = jax.tree.leaves(state["params"])
     sharded = [x for x in leaves if "fsdp" in str(x.sharding.spec)]
@@ -249,23 +250,23 @@ def test_fsdp_shards_parameters_and_optimizer_state(tmp_path, corpus):
 
 def test_mesh_errors(tmp_path, corpus):
     with pytest.raises(ConfigError, match="config.mesh"):
-        training.make_mesh(training.MeshConfig(data=8, fsdp=2))
+        trainer.make_mesh(MeshConfig(data=8, fsdp=2))
     c = tiny(tmp_path, corpus, batch_size=6)
     c.mesh.data, c.mesh.fsdp = 4, 1
     with pytest.raises(ConfigError, match="batch_size=6 must be a multiple of the 4 devices"):
-        training.train(training.RunConfig.from_config(c), log=quiet)
+        trainer.train(RunConfig.from_config(c), log=quiet)
 
 
 def test_a_diverging_run_stops_with_its_step_and_keeps_the_last_good_checkpoint(tmp_path, corpus):
     # lr 0 at step 1 (warmup starts at 0), then 1e30 without clipping: parameters blow up.
     c = tiny(tmp_path, corpus, lr=1e30, grad_clip=0.0, warmup_steps=4, checkpoint_every=1)
-    cfg = training.RunConfig.from_config(c)
+    cfg = RunConfig.from_config(c)
     with pytest.raises(
-        training.TrainingDiverged,
+        trainer.TrainingDiverged,
         match=r"at step (\d+).*Last good checkpoint: "
         r"step (\d+)",
     ) as e:
-        training.train(cfg, log=quiet)
+        trainer.train(cfg, log=quiet)
     import re
 
     bad, good = map(int, re.search(r"at step (\d+).*step (\d+)", str(e.value)).groups())
@@ -273,30 +274,30 @@ def test_a_diverging_run_stops_with_its_step_and_keeps_the_last_good_checkpoint(
     saved = sorted(int(p.name) for p in (cfg.run_dir / "checkpoints").iterdir() if p.name.isdigit())
     assert saved and max(saved) == good
     # The kept checkpoint restores to finite parameters.
-    mngr = training._ckpt_manager(cfg)
-    tr = training._Trainer(cfg, training.make_mesh(cfg.mesh))
-    state, _ = training._restore(mngr, tr, good)
+    mngr = checkpoints.run_manager(cfg)
+    tr = trainer.Trainer(cfg, trainer.make_mesh(cfg.mesh))
+    state, _ = checkpoints.restore(mngr, good, tr.abstract, tr.state_sharding)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
 
 
 def test_a_non_finite_parameter_counts_as_divergence_even_with_a_finite_loss():
     ok = {"loss": 2.0, "grad_norm": 1.0, "nonfinite_params": 0.0}
-    assert training._finite(ok)
-    assert not training._finite({**ok, "nonfinite_params": 3.0})
-    assert not training._finite({**ok, "loss": float("nan")})
-    assert not training._finite({**ok, "grad_norm": float("inf")})
+    assert metrics.finite(ok)
+    assert not metrics.finite({**ok, "nonfinite_params": 3.0})
+    assert not metrics.finite({**ok, "loss": float("nan")})
+    assert not metrics.finite({**ok, "grad_norm": float("inf")})
 
 
 def test_missing_and_corrupt_data_paths_are_clear_errors(tmp_path, corpus):
     c = tiny(tmp_path, corpus)
     c.data.path = str(tmp_path / "no_such_corpus")
     with pytest.raises(data_lib.DataError, match="data.path"):
-        training.train(training.RunConfig.from_config(c), log=quiet)
+        trainer.train(RunConfig.from_config(c), log=quiet)
     binary = tmp_path / "weights.txt"
     binary.write_bytes(bytes(range(256)) * 64)
     c.data.path = str(binary)
     with pytest.raises(data_lib.DataError, match="UTF-8"):
-        training.train(training.RunConfig.from_config(c), log=quiet)
+        trainer.train(RunConfig.from_config(c), log=quiet)
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("checkpoints"))
 
 
@@ -312,7 +313,7 @@ def _pallas_tiny(tmp_path, corpus, recipe, implementation=None):
     c.train.update(checkpoint_every=0, eval_batches=1)
     c.model.seq_len = 256
     c.quant.implementation = implementation
-    return training.RunConfig.from_config(c)
+    return RunConfig.from_config(c)
 
 
 def _triton_launches(module_text: str) -> int:
@@ -339,7 +340,7 @@ def _triton_launches(module_text: str) -> int:
     return count("main")
 
 
-def _expected_launches(cfg: training.RunConfig) -> int:
+def _expected_launches(cfg: RunConfig) -> int:
     """Per quantized linear layer and GEMM the kernels support: one quantize kernel per
     quantized operand (two for NVFP4 with a fused Hadamard transform: the tensor amax of the
     transformed operand is a pass of its own) and one block-scaled matmul."""
@@ -370,7 +371,7 @@ def test_pallas_implementation_trains_like_the_default_on_cpu(tmp_path, corpus):
         cfg = dataclasses.replace(
             cfg, quant=dataclasses.replace(cfg.quant, high_precision=r"embed|head|.*/attn/.*")
         )
-        runs.append(training.train(cfg, log=quiet))
+        runs.append(trainer.train(cfg, log=quiet))
     default, pallas = runs
     a = np.array([default.losses[s] for s in (1, 2)])
     b = np.array([pallas.losses[s] for s in (1, 2)])
@@ -389,7 +390,7 @@ def test_the_train_step_exported_for_cuda_holds_the_triton_kernels(tmp_path, cor
     # backward GEMMs, their Hadamard transforms and 3/4 gains inside the quantize kernels (its
     # QuEST forward, scales from each block's spread, runs in the emulation).
     cfg = _pallas_tiny(tmp_path, corpus, recipe, "pallas")
-    trainer = training._Trainer(cfg, training.make_mesh(cfg.mesh))
+    tr = trainer.Trainer(cfg, trainer.make_mesh(cfg.mesh))
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len), jnp.int32)
     why = {"nvfp4": "2-D block_shape", "quartet": "scale_std"}
     fallback = (
@@ -399,7 +400,7 @@ def test_the_train_step_exported_for_cuda_holds_the_triton_kernels(tmp_path, cor
     )
     with fallback:
         exported = export_for_cuda(
-            trainer.step_fn, trainer.abstract, {"inputs": tokens, "targets": tokens}
+            tr.step_fn, tr.abstract, {"inputs": tokens, "targets": tokens}
         )
     assert exported.platforms == ("cuda",)
     expected = _expected_launches(cfg)
@@ -428,7 +429,7 @@ def test_compare_writes_curves_and_summary_and_reuses_finished_runs(tmp_path, co
     def no_training(*a, **k):
         raise AssertionError("a finished run was trained again")
 
-    monkeypatch.setattr(training, "train", no_training)
+    monkeypatch.setattr(trainer, "train", no_training)
     compare.compare(base, ["none", "mxfp4"], seeds=[0, 1], log=quiet)
     monkeypatch.undo()
     # A finished run with another config is never overwritten silently: the implementation
@@ -452,7 +453,7 @@ def test_compare_writes_curves_and_summary_and_reuses_finished_runs(tmp_path, co
     del saved["quant"]["recipe_version"]  # written before the field: version 1
     run_cfg.write_text(json.dumps(saved))
     with monkeypatch.context() as m:
-        m.setattr(training, "train", no_training)
+        m.setattr(trainer, "train", no_training)
         compare.run_all(base, ["mxfp4"], [0], log=quiet)
 
 

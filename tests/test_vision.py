@@ -21,7 +21,8 @@ import pytest
 from flax import nnx
 
 import lowbit.flax as lbf
-from experiments import training, vision
+from experiments import metrics, runs, trainer, vision
+from experiments.config import QuantConfig, RunConfig, quant_rules
 from experiments.configlib import ConfigError, load_config
 from experiments.data import DataError
 
@@ -56,8 +57,8 @@ def tiny(tmp_path: Path, recipe: str = "none", **train):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A float tiny digits run of 30 steps: (its RunConfig, its RunResult)."""
-    cfg = training.RunConfig.from_config(tiny(tmp_path_factory.mktemp("digits")))
-    return cfg, training.train(cfg, log=quiet)
+    cfg = RunConfig.from_config(tiny(tmp_path_factory.mktemp("digits")))
+    return cfg, trainer.train(cfg, log=quiet)
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,8 +81,8 @@ def test_vit_shapes_and_quantization_sites():
     with pytest.raises(ValueError, match=r"images must be \[batch, 8, 8, 1\].*got \(3, 8, 4\)"):
         call(jax.ShapeDtypeStruct((3, 8, 4), jnp.float32))
 
-    rules = training.quant_rules(
-        training.QuantConfig(recipe="mxfp4", high_precision=r"embed|pos_embed|head")
+    rules = quant_rules(
+        QuantConfig(recipe="mxfp4", high_precision=r"embed|pos_embed|head")
     )
     sites = lbf.sites(model, rules)
     got = {s.path: (s.kind, s.shape, s.recipe.name if s.recipe else None) for s in sites}
@@ -108,27 +109,27 @@ def test_vit_config_errors_name_the_field():
     c = load_config(DIGITS)
     c.model.patch = 3
     with pytest.raises(ConfigError, match=r"config\.model: image_size=8 must be a multiple of"):
-        training.RunConfig.from_config(c)
+        RunConfig.from_config(c)
 
 
 def test_digits_config_selects_the_vit_family(tmp_path):
-    cfg = training.RunConfig.from_config(load_config(f"{DIGITS}:size=s,recipe=mxfp4,seed=2"))
+    cfg = RunConfig.from_config(load_config(f"{DIGITS}:size=s,recipe=mxfp4,seed=2"))
     assert cfg.family == "vit" and cfg.name == "vit-digits-s/mxfp4-s2" and cfg.seed == 2
     assert isinstance(cfg.model, vision.ViTConfig) and cfg.model.dtype == "float32"
     assert cfg.quant.high_precision == "embed|pos_embed|head"
     assert cfg.model.d_model % 32 == 0 and cfg.model.d_ff % 32 == 0
     assert cfg.to_json()["family"] == "vit"
-    gpt = training.RunConfig.from_config(load_config(f"{ROOT}/configs/gpt.py"))
+    gpt = RunConfig.from_config(load_config(f"{ROOT}/configs/gpt.py"))
     assert gpt.family == "gpt" and "family" not in load_config(f"{ROOT}/configs/gpt.py")
     with pytest.raises(ValueError, match="size='m'"):
         load_config(f"{DIGITS}:size=m")
     c = load_config(DIGITS)
     c.family = "cnn"
     with pytest.raises(ConfigError, match=r"config\.family='cnn': expected one of \['gpt', 'vit'"):
-        training.RunConfig.from_config(c)
+        RunConfig.from_config(c)
     c.family = "gpt"  # a digits model section is not a GPT's
     with pytest.raises(ConfigError, match=r"config\.model: unknown key\(s\) \['channels'"):
-        training.RunConfig.from_config(c)
+        RunConfig.from_config(c)
 
 
 def test_hadamard_blocks_must_divide_the_vits_gemm_axes():
@@ -138,14 +139,14 @@ def test_hadamard_blocks_must_divide_the_vits_gemm_axes():
         ConfigError,
         match=r"Hadamard transforms of 64.*train\.batch_size \* model\.num_patches=32 must be",
     ):
-        training.RunConfig.from_config(c)
+        RunConfig.from_config(c)
     c.train.batch_size = 4
-    training.RunConfig.from_config(c)
+    RunConfig.from_config(c)
     c = load_config(f"{DIGITS}:recipe=quartet")
-    training.RunConfig.from_config(c)  # the 4-feature patch embedding stays in float
+    RunConfig.from_config(c)  # the 4-feature patch embedding stays in float
     c.quant.high_precision = "head"
     with pytest.raises(ConfigError, match=r"model\.patch \*\* 2 \* model\.channels=4 must be"):
-        training.RunConfig.from_config(c)
+        RunConfig.from_config(c)
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,7 +241,7 @@ def test_a_tiny_digits_run_lowers_the_loss_and_beats_chance(run):
     # Chance is 10% (a model that learns nothing stays near it: 11% at step 6); measured 33%
     # after 30 steps of 32 images.
     assert r.final_val["val_accuracy"] > 0.2, r.final_val
-    recs = training.read_metrics(r.metrics_path)
+    recs = metrics.read_metrics(r.metrics_path)
     evals = [x for x in recs if x["kind"] == "eval"]
     assert [x["step"] for x in evals] == [15, 30]
     assert evals[-1]["val_accuracy"] == r.final_val["val_accuracy"]
@@ -256,9 +257,9 @@ def test_a_tiny_digits_run_lowers_the_loss_and_beats_chance(run):
 def test_a_stopped_and_resumed_digits_run_reproduces_the_uninterrupted_one(tmp_path, run):
     _, full = run
     c = tiny(tmp_path, stop_at=15)
-    first = training.train(training.RunConfig.from_config(c), log=quiet)
+    first = trainer.train(RunConfig.from_config(c), log=quiet)
     c.train.stop_at = 0
-    rest = training.train(training.RunConfig.from_config(c), resume=True, log=quiet)
+    rest = trainer.train(RunConfig.from_config(c), resume=True, log=quiet)
     assert first.step == 15 and sorted(first.losses) == list(range(1, 16))
     assert sorted(rest.losses) == list(range(16, STEPS + 1))  # from the checkpoint at 15
     for s in range(1, STEPS + 1):
@@ -268,28 +269,28 @@ def test_a_stopped_and_resumed_digits_run_reproduces_the_uninterrupted_one(tmp_p
 
 def test_load_trained_and_evaluate_reproduce_the_final_metrics(tmp_path, run):
     cfg, r = run
-    loaded_cfg, model = training.load_trained(r.run_dir)
+    loaded_cfg, model = runs.load_trained(r.run_dir)
     assert loaded_cfg == cfg
     assert isinstance(model, vision.ViT)
     assert model.blocks[0].mlp.up.dot_general is jax.lax.dot_general  # the float model
     summary = json.loads((r.run_dir / "summary.json").read_text())
-    got = training.evaluate(loaded_cfg, model)
+    got = runs.evaluate(loaded_cfg, model)
     want = {"val_loss": summary["final_val_loss"], "val_accuracy": summary["final_val_accuracy"]}
     assert got == want  # bit for bit: the same batches, program and reduction as the loop's
-    first = training.evaluate(loaded_cfg, model, max_batches=1)
+    first = runs.evaluate(loaded_cfg, model, max_batches=1)
     assert first != got and 0 <= first["val_accuracy"] <= 1
 
     with pytest.raises(ConfigError, match=r"run_dir='.*nowhere' does not exist"):
-        training.load_trained(tmp_path / "nowhere")
+        runs.load_trained(tmp_path / "nowhere")
     (tmp_path / "unsaved").mkdir()
     (tmp_path / "unsaved/config.json").write_text((r.run_dir / "config.json").read_text())
     with pytest.raises(ConfigError, match=r"run_dir='.*unsaved' has no checkpoint"):
-        training.load_trained(tmp_path / "unsaved")
+        runs.load_trained(tmp_path / "unsaved")
 
 
 def test_calibration_batches_are_deterministic_training_images(run):
     cfg, _ = run
-    a, b = training.calibration_batches(cfg, 3), training.calibration_batches(cfg, 3)
+    a, b = runs.calibration_batches(cfg, 3), runs.calibration_batches(cfg, 3)
     assert len(a) == 3 and all(x.shape == (32, 8, 8) and x.dtype == np.float32 for x in a)
     for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(x, y)
@@ -312,12 +313,12 @@ def test_init_from_across_families_or_architectures_is_refused(tmp_path, run):
         ConfigError,
         match=r"init_from='.*': the source run is of model family 'vit', this config's is 'gpt'",
     ):
-        training.train(training.RunConfig.from_config(gpt), log=quiet)
+        trainer.train(RunConfig.from_config(gpt), log=quiet)
     # A GPT run's directory (its config.json is enough: refused before the checkpoint is read)
     src = tmp_path / "gpt-run"
     src.mkdir()
     gpt.init_from = ""
-    saved = training.RunConfig.from_config(gpt).to_json()
+    saved = RunConfig.from_config(gpt).to_json()
     del saved["family"]  # as runs written before the vision family have it
     (src / "config.json").write_text(json.dumps(saved))
     c = tiny(tmp_path)
@@ -327,9 +328,9 @@ def test_init_from_across_families_or_architectures_is_refused(tmp_path, run):
         match=r"init_from='.*gpt-run': the source run is of model family 'gpt', this config's "
         r"is 'vit'; expected a run of the same family and architecture",
     ):
-        training.train(training.RunConfig.from_config(c), log=quiet)
+        trainer.train(RunConfig.from_config(c), log=quiet)
     c.init_from = str(r.run_dir)
     c.model.d_model = 128
     with pytest.raises(ConfigError, match=r"model differs .*model\.d_model: 64 -> 128"):
-        training.train(training.RunConfig.from_config(c), log=quiet)
+        trainer.train(RunConfig.from_config(c), log=quiet)
     assert not (tmp_path / "runs").exists()  # nothing was written

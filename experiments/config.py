@@ -1,0 +1,332 @@
+"""The config of a run: its sections as frozen dataclasses, and how two configs compare.
+
+:class:`RunConfig` (built from a config file by :meth:`RunConfig.from_config`) holds the model
+and data sections of its family (:mod:`experiments.families`), the training loop's
+(:class:`TrainConfig`), the quantization's (:class:`QuantConfig`) and the device mesh's
+(:class:`MeshConfig`). :func:`config_diff` names the fields that differ between two runs'
+``config.json`` (what a ``--resume`` or a reuse must match); :func:`read_run_config` reads one.
+
+Every linear layer not matched by ``quant.high_precision`` runs under ``quant.recipe``
+through :func:`lowbit.flax.quantize` (the rules: :func:`quant_rules`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import jax
+
+import lowbit as lb
+from experiments import data as data_lib
+from experiments import vision
+from experiments.configlib import ConfigError, to_dataclass, to_plain
+from experiments.families import DEFAULT_FAMILY, FAMILIES, Family
+from experiments.model import GPTConfig
+from lowbit import autoquant
+from lowbit.dot_general import check_implementation
+
+__all__ = [
+    "TrainConfig",
+    "QuantConfig",
+    "MeshConfig",
+    "RunConfig",
+    "family_of",
+    "quant_rules",
+    "config_diff",
+    "RESUMABLE",
+    "ADDED",
+    "INIT_FROM_FREE",
+    "EXPECTED_RUN",
+    "check_run_dir",
+    "read_run_config",
+    "split_list",
+    "fine_tune_config",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimizer, schedule and loop cadence (AdamW, linear warmup then cosine decay)."""
+
+    steps: int = 100
+    batch_size: int = 16
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    log_every: int = 10
+    eval_every: int = 50  # 0: only at the end
+    eval_batches: int = 8
+    checkpoint_every: int = 50  # 0: only at the end
+    keep_checkpoints: int = 2
+    stop_at: int = 0  # > 0: stop (with a checkpoint) after this step, as an interruption would
+    progress: bool = True
+
+    def __post_init__(self):
+        for f in ("steps", "batch_size", "log_every", "eval_batches", "keep_checkpoints"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"train.{f} must be >= 1, got {getattr(self, f)}")
+        for f in ("eval_every", "checkpoint_every"):
+            if getattr(self, f) < 0:
+                raise ValueError(
+                    f"train.{f} must be >= 0 (0: only at the end), got {getattr(self, f)}"
+                )
+        if not 0 <= self.warmup_steps < self.steps:  # the cosine decay needs a step
+            raise ValueError(
+                f"train.warmup_steps must be in [0, steps - 1], got {self.warmup_steps} with "
+                f"steps={self.steps}"
+            )
+        if self.lr <= 0:
+            raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if not 0 <= self.stop_at <= self.steps:
+            raise ValueError(f"train.stop_at must be in [0, steps], got {self.stop_at}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """Which recipe the model's linear layers train under, which modules stay float, and how
+    the quantized GEMMs run: ``implementation`` is ``lowbit.dot_general``'s (None: the best
+    for the backend, ``"xla"``: the pure-XLA emulation, ``"pallas"``: the Pallas kernels when
+    lowered for CUDA), passed to :func:`lowbit.flax.quantize`."""
+
+    recipe: str = "none"
+    high_precision: str = r"embed|pos_embed|head|.*/router"
+    implementation: str | None = None
+    # A saved lowbit.autoquant.Plan (JSON; None: no plan): its sites get their planned recipes
+    # ("none" included) before high_precision and recipe apply. Stored as an absolute path.
+    plan: str | None = None
+    # The recipe's definition version (lowbit.recipes.Recipe.version), filled in: recorded in
+    # config.json, so a run of an older definition of a recipe is not reused or resumed as one
+    # of the current definition (runs written before the field existed read as version 1).
+    recipe_version: int | None = None
+
+    def __post_init__(self):
+        try:
+            r = lb.recipes.get(self.recipe)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"quant.recipe: {e}") from None
+        if self.recipe_version is None:
+            object.__setattr__(self, "recipe_version", r.version)
+        check_implementation(self.implementation, "quant.implementation")
+        if self.plan is not None:
+            if not isinstance(self.plan, str | os.PathLike) or not str(self.plan):
+                raise ValueError(
+                    f"quant.plan: expected a plan file (a path) or None, got {self.plan!r}"
+                )
+            path = str(Path(self.plan).expanduser().resolve())
+            try:
+                autoquant.Plan.load(path)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"quant.plan={str(self.plan)!r}: {e}") from None
+            object.__setattr__(self, "plan", path)  # resolved once, as init_from is
+
+    def recipes(self) -> list:
+        """Every recipe the rules use: ``recipe`` and the plan's."""
+        out = [lb.recipes.get(self.recipe)]
+        if self.plan is not None:
+            out += list(autoquant.Plan.load(self.plan).recipes.values())
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh shape: ``data`` x ``fsdp`` (``data=-1``: the devices left over)."""
+
+    data: int = -1
+    fsdp: int = 1
+
+
+def family_of(cfg: RunConfig) -> Family:
+    """The :class:`experiments.families.Family` of ``cfg.family``."""
+    return FAMILIES[cfg.family]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    name: str
+    model: GPTConfig | vision.ViTConfig  # the family's model config
+    data: data_lib.DataConfig | vision.DigitsDataConfig  # the family's data config
+    train: TrainConfig
+    quant: QuantConfig
+    mesh: MeshConfig = MeshConfig()
+    seed: int = 0
+    workdir: str = "runs"
+    # A run directory whose latest checkpoint's parameters this run starts from ("" = the
+    # random init); stored resolved to an absolute path. See the module docstring.
+    init_from: str = ""
+    # The model family, a key of FAMILIES: which model, data, loss and metrics.
+    family: str = DEFAULT_FAMILY
+
+    @classmethod
+    def from_config(cls, c) -> RunConfig:
+        """From a ConfigDict such as ``configs/gpt.py``'s or ``configs/digits.py``'s, or the
+        dict of a run's config.json (dtype ``auto`` resolved here)."""
+        c = to_plain(c)
+        known = {"name", "model", "data", "train", "quant", "mesh", "seed", "workdir"}
+        known |= {"init_from", "family"}
+        unknown = sorted(set(c) - known)
+        if unknown:
+            raise ConfigError(f"config: unknown key(s) {unknown}; expected {sorted(known)}")
+        family = c.get("family") or DEFAULT_FAMILY
+        if family not in FAMILIES:
+            raise ConfigError(f"config.family={family!r}: expected one of {sorted(FAMILIES)}")
+        fam = FAMILIES[family]
+        model = dict(c.get("model", {}))
+        if model.get("dtype", "float32") == "auto":
+            model["dtype"] = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        return cls(
+            name=str(c.get("name", "run")),
+            model=to_dataclass(fam.model_config, model, "model"),
+            data=to_dataclass(fam.data_config, c.get("data"), "data"),
+            train=to_dataclass(TrainConfig, c.get("train"), "train"),
+            quant=to_dataclass(QuantConfig, c.get("quant"), "quant"),
+            mesh=to_dataclass(MeshConfig, c.get("mesh"), "mesh"),
+            seed=int(c.get("seed", 0)),
+            workdir=str(c.get("workdir", "runs")),
+            init_from=c.get("init_from") or "",
+            family=family,
+        )
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ConfigError(f"config.family={self.family!r}: expected one of {sorted(FAMILIES)}")
+        fam = FAMILIES[self.family]
+        for section, want in (("model", fam.model_config), ("data", fam.data_config)):
+            if not isinstance(getattr(self, section), want):
+                raise ConfigError(
+                    f"config.{section}: family {self.family!r} takes a {want.__name__}, got "
+                    f"{type(getattr(self, section)).__name__}"
+                )
+        check_hadamard_fits(self)
+        if not isinstance(self.init_from, str | os.PathLike):
+            raise ConfigError(
+                f'config.init_from: expected a run directory (a path) or "", got {self.init_from!r}'
+            )
+        if self.init_from:  # resolved once, so config.json and --resume compare one path
+            object.__setattr__(self, "init_from", str(Path(self.init_from).expanduser().resolve()))
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.workdir) / self.name
+
+    def to_json(self) -> dict:
+        return to_plain(self)
+
+
+def check_hadamard_fits(cfg: RunConfig) -> None:
+    """A recipe's Hadamard blocks must divide the contraction axes they run along: features
+    (forward, input gradient) and the tokens (weight gradient): the sequence of a GPT
+    (``model.seq_len``), the patch tokens of a ViT's batch (``train.batch_size *
+    model.num_patches``, its linear layers seeing ``[batch * patches, features]``)."""
+    q = cfg.quant
+    feature_axes, token_axes = family_of(cfg).contraction_axes(cfg)
+    for r in q.recipes():
+        feats = [g.hadamard for g in (r.fwd, r.dlhs) if g.hadamard]
+        tokens = r.drhs.hadamard
+        checks = [(h, name, n) for name, n in feature_axes for h in feats]
+        if tokens:
+            checks += [(tokens, name, n) for name, n in token_axes]
+        where = "quant.recipe" if r.name == q.recipe else "quant.plan's recipe"
+        for h, name, n in checks:
+            if n % h:
+                raise ConfigError(
+                    f"{where}={r.name!r} applies Hadamard transforms of {h} along GEMM "
+                    f"contraction axes: {name}={n} must be a multiple of {h}"
+                )
+
+
+# Fields that may differ between a run and its resumption (they do not change the numbers).
+RESUMABLE = {("train", "stop_at"), ("train", "progress"), ("train", "keep_checkpoints")}
+# Fields added after runs were written with no value for them, and the value those runs had in
+# effect (config_diff reads a missing key as this instead of None).
+ADDED = {("init_from",): "", ("family",): DEFAULT_FAMILY, ("quant", "recipe_version"): 1}
+# Model fields an init_from run may change: they do not change the parameters.
+INIT_FROM_FREE = {"dtype"}
+
+
+def quant_rules(q: QuantConfig) -> list[tuple[str, str | lb.Recipe]]:
+    """``lowbit.flax`` rules: the plan's sites first (``quant.plan``: each its planned recipe),
+    then the high-precision modules, everything else under the recipe."""
+    rules: list = []
+    if q.plan is not None:
+        rules += autoquant.Plan.load(q.plan).rules()
+    if q.high_precision:
+        rules.append((q.high_precision, "none"))
+    rules.append((r".*", q.recipe))
+    return rules
+
+
+def config_diff(saved: dict, now: dict, prefix=()) -> list[str]:
+    """The fields that differ between two ``RunConfig.to_json()`` dicts, as ``"a.b: x -> y"``,
+    leaving out those a run may change when resumed (the name, the workdir, ``RESUMABLE``).
+    A key missing on one side reads as None (a field added since the run was written), or as
+    the value older runs had in effect for the fields ``ADDED`` lists."""
+    out = []
+    for k in sorted(set(saved) | set(now)):
+        key = (*prefix, k)
+        a, b = saved.get(k, ADDED.get(key)), now.get(k, ADDED.get(key))
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_diff(a, b, key)
+        elif a != b and key not in RESUMABLE and key != ("name",) and key != ("workdir",):
+            out.append(f"{'.'.join(key)}: {a!r} -> {b!r}")
+    return out
+
+
+EXPECTED_RUN = "expected a run directory written by experiments.train (config.json, checkpoints/)"
+
+
+def check_run_dir(src: Path, what: str) -> None:
+    """ConfigError naming ``what=src`` unless ``src`` is a directory with a config.json."""
+    if not src.exists():
+        raise ConfigError(f"{what}={str(src)!r} does not exist; {EXPECTED_RUN}")
+    if not (src / "config.json").is_file():
+        raise ConfigError(
+            f"{what}={str(src)!r} is not a run directory (no config.json); {EXPECTED_RUN}"
+        )
+
+
+def read_run_config(src: Path, what: str) -> dict:
+    """The dict of ``src/config.json`` (a ConfigError naming ``what=src`` when unreadable)."""
+    try:
+        saved = json.loads((src / "config.json").read_text())
+        if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+            raise ValueError("no model section")
+        return saved
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"{what}={str(src)!r}: cannot read the model section of its config.json "
+            f"({type(e).__name__}: {e}); {EXPECTED_RUN}"
+        ) from None
+
+
+def split_list(s) -> list[str]:
+    """The items of a comma-separated config string (``"mxfp4, nvfp4"`` -> two names)."""
+    return [x.strip() for x in str(s).split(",") if x.strip()]
+
+
+def fine_tune_config(
+    base, *, recipe: str, name: str, steps: int, lr: float, init_from: str, plan: str | None = None
+):
+    """A copy of the ConfigDict ``base`` (``configs/gpt.py``'s, ``configs/digits.py``'s) for a
+    short fine-tune from the run ``init_from`` under ``recipe`` (and ``plan``, a saved
+    :class:`lowbit.autoquant.Plan`): ``steps`` steps at peak ``lr`` after a ``steps // 10``
+    warmup, evaluated and checkpointed only at the end."""
+    c = copy.deepcopy(base)
+    c.quant.recipe = recipe
+    if plan is not None:
+        c.quant.plan = str(plan)
+    c.name = name
+    c.init_from = init_from
+    c.train.steps = steps
+    c.train.lr = lr
+    c.train.warmup_steps = max(0, steps // 10)
+    c.train.eval_every = 0
+    c.train.checkpoint_every = 0
+    return c

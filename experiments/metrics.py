@@ -1,0 +1,54 @@
+"""A run's logged metrics: ``metrics.jsonl`` (one JSON record a line) and its JSON files.
+
+``metrics.jsonl`` holds ``{"kind": "train", step, tokens, loss, <the loss function's other
+metrics>, grad_norm, nonfinite_params, lr, step_s, tokens_per_s}`` every ``train.log_every``
+steps and ``{"kind": "eval", step, tokens, val_loss[, val_accuracy]}`` every
+``train.eval_every`` steps and at the end; a resumed run first drops the records past its
+checkpoint (:func:`truncate_metrics`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+__all__ = ["read_metrics", "truncate_metrics", "write_json", "finite"]
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a ``metrics.jsonl`` (a torn last line from a crash is skipped)."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def truncate_metrics(path: Path, after_step: int) -> None:
+    """Drop the records of ``path`` past ``after_step`` (a resumed run rewrites them)."""
+    if not path.exists():
+        return
+    keep = [r for r in read_metrics(path) if r.get("step", 0) <= after_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj) -> None:
+    """``path`` as indented JSON, written under a temporary name and renamed into place (other
+    processes, or a reader, never see half a file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def finite(metrics: dict) -> bool:
+    """Whether a step's metrics are finite: its loss and gradient norm, and no non-finite
+    parameter (``nonfinite_params``, a count)."""
+    ok = all(math.isfinite(float(metrics[k])) for k in ("loss", "grad_norm"))
+    return ok and metrics["nonfinite_params"] == 0
