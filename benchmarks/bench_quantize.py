@@ -29,7 +29,7 @@ stated bound (MXFP6, MXINT8 nearest) show ``-``.
 Fused rows (``--no-fused`` skips them): what a recipe's operand quantizer costs with a
 randomised Hadamard transform in front (``qarray.fake_quantize_with_plan(..., hadamard=b,
 signs=s)``), for b = 16, 32, 64 along the last axis and along axis 0, MXFP4 with stochastic
-rounding and gain 3/4 (the backward recipes) and NVFP4 (its own tensor amax: of the transformed
+rounding and prescale 3/4 (the backward recipes) and NVFP4 (its own tensor amax: of the transformed
 tensor); and 2-D tiles (16 x 16 over the last two axes: NVFP4 and MXFP8 weights). Each row
 gives the path a user gets (the compiled kernel fuses the transform), the XLA path side by side
 (its default dense transform, then the quantizer), and the plain kernel's quantization without
@@ -67,7 +67,7 @@ QUICK_RUNS = 2
 # Format -> the qtype qwix calls it (qwix's "mxfp8" has E4M3 elements).
 QWIX_QTYPES = {"mxfp4": "mxfp4", "mxfp8_e4m3": "mxfp8", "nvfp4": "nvfp4"}
 
-# Fused rows: (format, rounding, gain) with a Hadamard transform, its blocks and axes; tiles.
+# Fused rows: (format, rounding, prescale) with a Hadamard transform, its blocks and axes; tiles.
 FUSED_QUANTIZERS = (("mxfp4", "stochastic", 0.75), ("nvfp4", "nearest", 1.0))
 FUSED_HADAMARD = (16, 32, 64)
 FUSED_AXES = (-1, 0)
@@ -114,7 +114,7 @@ def _operand_fn(
     key: jax.Array,
     *,
     axis: int | tuple[int, int] = -1,
-    gain: float = 1.0,
+    prescale: float = 1.0,
     hadamard: int | None = None,
     block_shape: tuple[int, ...] | None = None,
     native: str | None = None,
@@ -122,7 +122,7 @@ def _operand_fn(
     """A compiled operand quantizer (``qarray.fake_quantize_with_plan``), with a Hadamard
     transform of block ``hadamard`` (random signs, an argument) in front when not None."""
     kd = jax.random.key_data(key) if rounding == "stochastic" else None
-    plan = qarray.make_plan(x.shape, fmt, axis, block_shape, None, rounding, kd, None, gain)
+    plan = qarray.make_plan(x.shape, fmt, axis, block_shape, None, rounding, kd, None, prescale)
     signs = None if hadamard is None else lb.hadamard.random_signs(jax.random.key(2), hadamard)
 
     def fq(x, signs):
@@ -153,9 +153,9 @@ def _fused_candidates(
             into[name] = _operand_fn(x=x, key=key, **kw)
         return name
 
-    for fmt, rounding, gain in FUSED_QUANTIZERS:
+    for fmt, rounding, prescale in FUSED_QUANTIZERS:
         for axis in FUSED_AXES:
-            q = {"fmt": fmt, "rounding": rounding, "gain": gain, "axis": axis}
+            q = {"fmt": fmt, "rounding": rounding, "prescale": prescale, "axis": axis}
             plain = add(f"plain/{fmt}/{axis}", **q)
             for b in QUICK_HADAMARD if quick else FUSED_HADAMARD:
                 if x.shape[axis] % b:
@@ -172,7 +172,7 @@ def _fused_candidates(
                     }
                 )
     for fmt, tile in TILES[:1] if quick else TILES:
-        q = {"fmt": fmt, "rounding": "nearest", "gain": 1.0, "axis": (-2, -1)}
+        q = {"fmt": fmt, "rounding": "nearest", "prescale": 1.0, "axis": (-2, -1)}
         if any(d < t for d, t in zip(x.shape, tile, strict=True)):
             continue
         tiled = add(f"tile/{fmt}", block_shape=tile, **q)
@@ -200,7 +200,7 @@ def _fused_rows(specs, timings, t_base: common.Timing, native: bool) -> list[dic
                 "kind": spec["kind"],
                 "format": spec["fmt"],
                 "rounding": spec["rounding"],
-                "gain": spec["gain"],
+                "prescale": spec["prescale"],
                 "axis": list(axis) if isinstance(axis, tuple) else axis,
                 "hadamard": spec["hadamard"],
                 "block_shape": None if spec["block_shape"] is None else list(spec["block_shape"]),
@@ -503,7 +503,7 @@ def _print_fused_table(rows: list[dict[str, Any]], args) -> None:
         ("what", "fused"),
         ("format", "format"),
         ("rounding", "rounding"),
-        ("gain", "gain"),
+        ("prescale", "prescale"),
         ("axis", "axis"),
         ("ms", "ms"),
         ("spread", "iqr", "{:.0f}%"),

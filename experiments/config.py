@@ -27,7 +27,7 @@ from experiments.configlib import ConfigError, to_dataclass, to_plain
 from experiments.families import DEFAULT_FAMILY, FAMILIES, Family
 from experiments.model import GPTConfig
 from lowbit import autoquant
-from lowbit.dot_general import check_implementation
+from lowbit.implementation import validate
 
 __all__ = [
     "TrainConfig",
@@ -114,7 +114,7 @@ class QuantConfig:
             raise ValueError(f"quant.recipe: {e}") from None
         if self.recipe_version is None:
             object.__setattr__(self, "recipe_version", r.version)
-        check_implementation(self.implementation, "quant.implementation")
+        validate(self.implementation, "quant.implementation")
         if self.plan is not None:
             if not isinstance(self.plan, str | os.PathLike) or not str(self.plan):
                 raise ValueError(

@@ -294,37 +294,57 @@ def _nbytes(x) -> int:
 # GPU mode
 
 
-def run_gpu(budget_s: float) -> int:
-    t_start = time.perf_counter()
-    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
-    failures, skipped = [], []
-    key = jax.random.key(0)
+@dataclasses.dataclass
+class _GpuRun:
+    """What the GPU mode's sections share: the key, the time budget, the bf16 dot times and
+    the names that failed or were skipped."""
 
-    dot_time = {}
+    budget_s: float
+    key: jax.Array = dataclasses.field(default_factory=lambda: jax.random.key(0))
+    t_start: float = dataclasses.field(default_factory=time.perf_counter)
+    dot_time: dict = dataclasses.field(default_factory=dict)
+    failures: list = dataclasses.field(default_factory=list)
+    skipped: list = dataclasses.field(default_factory=list)
+
+    def over_budget(self, name) -> bool:
+        if time.perf_counter() - self.t_start > self.budget_s:
+            self.skipped.append(name)
+            print(f"{name}: SKIPPED (time budget of {self.budget_s:.0f} s spent)")
+            return True
+        return False
+
+    def attempt(self, name, fn):
+        """``fn()``, or None after reporting an exception (one broken kernel should not hide
+        the others)."""
+        try:
+            return fn()
+        except Exception as e:
+            self.failures.append(name)
+            print(f"{name}: ERROR {type(e).__name__}: {str(e)[:300]}")
+            return None
+
+
+def _time_dots(run: _GpuRun) -> None:
     for m, k, n in (PREFILL, DECODE):
-        x = jax.random.normal(key, (m, k), jnp.bfloat16)
-        w = jax.random.normal(key, (k, n), jnp.bfloat16)
+        x = jax.random.normal(run.key, (m, k), jnp.bfloat16)
+        w = jax.random.normal(run.key, (k, n), jnp.bfloat16)
         dot = jax.jit(
             lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
         )
         t = time_fn(dot, (x, w))
-        dot_time[(m, k, n)] = t
+        run.dot_time[(m, k, n)] = t
         print(
             f"jnp.dot bf16 MKN={(m, k, n)}: {t * 1e6:9.1f} us  "
             f"{2 * m * n * k / t / 1e12:7.1f} TFLOP/s  "
             f"{(2 * (m * k + k * n + m * n)) / t / 1e9:7.1f} GB/s"
         )
 
-    def over_budget(name):
-        if time.perf_counter() - t_start > budget_s:
-            skipped.append(name)
-            print(f"{name}: SKIPPED (time budget of {budget_s:.0f} s spent)")
-            return True
-        return False
 
+def _check_quantize(run: _GpuRun) -> None:
     print("\n-- quantize: bit-exact vs lowbit.quantize (XLA); time vs XLA and vs the bf16 dot")
+    key = run.key
     for case in quantize_cases():
-        if over_budget(case.name):
+        if run.over_budget(case.name):
             continue
         x = jax.random.normal(jax.random.fold_in(key, 1), case.shape, jnp.bfloat16)
         x = x * jnp.exp(jax.random.normal(key, case.shape, jnp.bfloat16))
@@ -334,45 +354,47 @@ def run_gpu(budget_s: float) -> int:
             )
         )
         ref = lambda x, k, c=case: c.reference(x, k)  # its parts are jitted
-        try:
+
+        def measure(kern=kern, ref=ref, x=x):
             q, r = kern(x, key), ref(x, key)
-            exact = same_qarray(q, r)
-            tk, tr = time_fn(kern, (x, key)), time_fn(ref, (x, key))
-        except Exception as e:  # report and go on: one broken kernel should not hide others
-            failures.append(case.name)
-            print(f"{case.name}: ERROR {type(e).__name__}: {str(e)[:300]}")
+            return q, same_qarray(q, r), time_fn(kern, (x, key)), time_fn(ref, (x, key))
+
+        if (got := run.attempt(case.name, measure)) is None:
             continue
+        q, exact, tk, tr = got
         if not exact:
-            failures.append(case.name)
+            run.failures.append(case.name)
         gbs = (_nbytes(x) + q.nbytes) / tk / 1e9
         print(
             f"{case.name}: {'bit-exact' if exact else 'MISMATCH'}  {tk * 1e6:8.1f} us "
             f"{gbs:7.1f} GB/s | XLA {tr * 1e6:8.1f} us ({tr / tk:4.2f}x faster) | "
-            f"{tk / dot_time[case.gemm]:6.3f} of the bf16 dot"
+            f"{tk / run.dot_time[case.gemm]:6.3f} of the bf16 dot"
         )
 
+
+def _check_matmul(run: _GpuRun) -> None:
     print("\n-- block-scaled matmul: vs dequantize + float32 dot; time vs the bf16 jnp.dot")
     for case in matmul_cases():
-        if over_budget(case.name):
+        if run.over_budget(case.name):
             continue
         m, k, n = case.mkn
-        x = jax.random.normal(jax.random.fold_in(key, 2), (m, k), jnp.bfloat16)
-        w = jax.random.normal(jax.random.fold_in(key, 3), (k, n), jnp.bfloat16)
+        x = jax.random.normal(jax.random.fold_in(run.key, 2), (m, k), jnp.bfloat16)
+        w = jax.random.normal(jax.random.fold_in(run.key, 3), (k, n), jnp.bfloat16)
         a, b = _operand(x, case.a, -1), _operand(w, case.b, 0)
         kern = jax.jit(
             lambda a, b: block_scaled_matmul(a, b, out_dtype=jnp.bfloat16, implementation="pallas")
         )
         kern32 = jax.jit(lambda a, b: block_scaled_matmul(a, b, implementation="pallas"))
-        try:
-            ok, err = matmul_close(kern32(a, b), a, b)
-            tk = time_fn(kern, (a, b))
-        except Exception as e:
-            failures.append(case.name)
-            print(f"{case.name}: ERROR {type(e).__name__}: {str(e)[:300]}")
+
+        def measure(kern=kern, kern32=kern32, a=a, b=b):
+            return (*matmul_close(kern32(a, b), a, b), time_fn(kern, (a, b)))
+
+        if (got := run.attempt(case.name, measure)) is None:
             continue
+        ok, err, tk = got
         if not ok:
-            failures.append(case.name)
-        td = dot_time[case.mkn]
+            run.failures.append(case.name)
+        td = run.dot_time[case.mkn]
         gbs = (_nbytes(a) + _nbytes(b) + 2 * m * n) / tk / 1e9
         print(
             f"{case.name}: {'ok' if ok else 'OUT OF TOLERANCE'} (max err {err:.2e})  "
@@ -380,22 +402,24 @@ def run_gpu(budget_s: float) -> int:
             f"bf16 dot {td * 1e6:9.1f} us | speed-up {td / tk:5.2f}x"
         )
 
+
+def _check_gemms(run: _GpuRun) -> None:
     print("\n-- quantized_gemm end to end (a recipe's GEMMs): vs the XLA emulation, time vs it")
     for case in gemm_cases():
-        if over_budget(case.name):
+        if run.over_budget(case.name):
             continue
-        args = case.args(key)
+        args = case.args(run.key)
         kern, emul = jax.jit(case.call("pallas")), jax.jit(case.call("xla"))
-        try:
+
+        def measure(kern=kern, emul=emul, args=args, case=case):
             c, ref = kern(*args), emul(*args)
-            ok, err = gemm_close(case, c, ref, *args)
-            tk, te = time_fn(kern, args), time_fn(emul, args)
-        except Exception as e:
-            failures.append(case.name)
-            print(f"{case.name}: ERROR {type(e).__name__}: {str(e)[:300]}")
+            return (*gemm_close(case, c, ref, *args), time_fn(kern, args), time_fn(emul, args))
+
+        if (got := run.attempt(case.name, measure)) is None:
             continue
+        ok, err, tk, te = got
         if not ok:
-            failures.append(case.name)
+            run.failures.append(case.name)
         m, k, n = case.mkn
         print(
             f"{case.name}: {'ok' if ok else 'OUT OF TOLERANCE'} (max err {err:.2e})  "
@@ -403,9 +427,17 @@ def run_gpu(budget_s: float) -> int:
             f"{te * 1e6:9.1f} us ({te / tk:5.2f}x faster)"
         )
 
-    print(
-        f"\n{len(failures)} failed, {len(skipped)} skipped, {time.perf_counter() - t_start:.0f} s"
-    )
+
+def run_gpu(budget_s: float) -> int:
+    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
+    run = _GpuRun(budget_s)
+    _time_dots(run)
+    _check_quantize(run)
+    _check_matmul(run)
+    _check_gemms(run)
+    failures, skipped = run.failures, run.skipped
+    spent = time.perf_counter() - run.t_start
+    print(f"\n{len(failures)} failed, {len(skipped)} skipped, {spent:.0f} s")
     for name in failures:
         print(f"FAILED: {name}")
     return 1 if failures else 0
