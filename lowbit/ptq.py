@@ -63,6 +63,7 @@ import numpy as np
 import lowbit.flax as lbf
 from lowbit import calibrate as _cal
 from lowbit import recipes as _recipes
+from lowbit.bits import leaf_nbytes
 from lowbit.operand import quantize_operand
 from lowbit.qarray import QArray, dequantize
 from lowbit.recipes import QuantSpec, Recipe
@@ -1028,13 +1029,12 @@ def bits_per_param(packed) -> dict[str, float]:
     q_bits = q_n = extra = total_bits = total_n = 0.0
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lbf.is_qarray)[0]:
         names = lbf.keypath_str(keypath)
+        bits = 8.0 * leaf_nbytes(leaf)  # what the leaf holds: measured, not a spec's count
         if lbf.is_qarray(leaf):
             n = math.prod(leaf.shape)
-            bits = 8.0 * leaf.nbytes
             q_bits, q_n = q_bits + bits, q_n + n
         else:
             n = math.prod(np.shape(leaf))
-            bits = 8.0 * n * np.dtype(leaf.dtype).itemsize
             last = names[-1] if names else ""
             if last in ("smooth", "lowrank_a", "lowrank_b", lbf.linen.SMOOTH_PARAM,
                         *lbf.linen.LOWRANK_PARAMS):

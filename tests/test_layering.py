@@ -2,8 +2,8 @@
 
 Layers, lowest first (a module may import its own layer and the layers below it):
 
-    formats, implementation -> numerics, hadamard -> native -> qarray -> recipes
-      -> operand, calibrate -> pallas_kernels (the kernels and their references)
+    formats, implementation -> numerics, hadamard -> native -> qarray -> io -> recipes
+      -> bits -> operand, calibrate -> pallas_kernels (the kernels and their references)
       -> dot_general -> flax -> ptq -> autoquant -> experiments -> benchmarks
 
 ``lowbit`` reaches ``pallas_kernels`` only through the lazy implementation table in
@@ -29,7 +29,9 @@ LAYERS = [
     ("lowbit.numerics", "lowbit.hadamard"),
     ("lowbit.native",),
     ("lowbit.qarray",),
+    ("lowbit.io",),
     ("lowbit.recipes",),
+    ("lowbit.bits",),
     ("lowbit.operand", "lowbit.calibrate"),
     ("pallas_kernels",),
     ("lowbit.dot_general",),

@@ -49,10 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit.flax as lbf
-from lowbit import formats as _formats
 from lowbit import recipes as _recipes
 from lowbit.autoquant.heuristic import classify
 from lowbit.autoquant.solver import recipe_from_json, recipe_to_json
+from lowbit.bits import FLOAT_BITS, storage_bits
 from lowbit.recipes import Recipe
 
 __all__ = ["METHODS", "RULES", "FLOAT_BITS", "Scores", "score", "scoring_flops", "path_points",
@@ -60,8 +60,6 @@ __all__ = ["METHODS", "RULES", "FLOAT_BITS", "Scores", "score", "scoring_flops",
 
 METHODS = ("isolated", "gradient", "kl", "shapley")
 RULES = ("midpoint", "gauss")  # "shapley": the quadrature of the path integral
-FLOAT_BITS = 16.0  # a float weight counts as bf16, as deployed
-TENSOR_SCALE_BITS = 32.0  # one float32 scale per tensor (NVFP4, per-tensor FP8)
 _NONE = _recipes.get("none")
 # any recipe that quantizes: with observe=True the sites it reaches run float ops
 _PROBE = _recipes.get("qat_mxfp8")
@@ -72,18 +70,13 @@ def weight_bits(recipe: Recipe, params: int) -> float:
     """Storage bits of a weight of ``params`` elements under ``recipe``'s forward: elements
     plus block scales (and a float32 tensor scale where the format has one); a weight the
     forward keeps in high precision counts :data:`FLOAT_BITS` per element. (The ``nvfp4``
-    recipe's weights are 16x16 tiles: one E4M3 scale per 256 elements.)
+    recipe's weights are 16x16 tiles: one E4M3 scale per 256 elements.) The autoquant
+    convention of :func:`lowbit.bits.storage_bits`.
 
     >>> weight_bits(_recipes.get("mxfp4"), 1024), weight_bits(_recipes.get("nvfp4"), 1024)
     (4352.0, 4160.0)
     """
-    spec = recipe.fwd.rhs
-    if spec is None:
-        return FLOAT_BITS * params
-    if spec.granularity != "block":  # FP8 / int8 codes and float32 scales (one per tensor
-        return 8.0 * params + TENSOR_SCALE_BITS  # counted; a per-row weight's rows are not)
-    extra = TENSOR_SCALE_BITS if _formats.get(spec.format).tensor_scale else 0.0
-    return spec.bits_per_element * params + extra
+    return storage_bits(recipe.fwd.rhs, (params,), float_bits=FLOAT_BITS, tensor_scale=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ hold it as a static attribute); :func:`describe` shows it per site.
 
 from __future__ import annotations
 
-from lowbit.flax import checkpoint, linen, nnx
+from lowbit.flax import linen, nnx
 from lowbit.flax._core import (
     ATTN_SCORES,
     ATTN_VALUES,
@@ -45,18 +45,16 @@ from lowbit.flax._core import (
     Site,
     SiteGemm,
     framework,
-    is_qarray,
-    keypath_str,
     observing,
     pack_weight,
-    path_str,
     serving_recipe,
     substituting,
     weight_spec,
 )
-from lowbit.flax.checkpoint import CheckpointError, restore, save
 from lowbit.flax.packing import Row, describe, pack, packed_nbytes, sites, unpack
 from lowbit.implementation import IMPLEMENTATIONS, validate
+from lowbit.io import CheckpointError, checkpoint, restore, save
+from lowbit.io.tree import is_qarray, keypath_str, path_str
 
 __all__ = [
     "quantize",

@@ -20,7 +20,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import lowbit as lb
@@ -136,11 +135,6 @@ class Rules:
         """Like :meth:`match`, but None also for the identity recipe (``"none"``)."""
         r = self.match(path)
         return None if r is None or r.is_identity else r
-
-
-def path_str(path: Iterable[Any]) -> str:
-    """``("block", 0, "mlp")`` -> ``"block/0/mlp"``."""
-    return "/".join(str(p) for p in path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -566,30 +560,3 @@ def _pack_weight(w, spec: QuantSpec, axis: int, other_axis: int | None) -> lb.QA
     from lowbit.operand import quantize_operand
 
     return quantize_operand(w, spec, axis, other_axis, None, packed=True)
-
-
-def is_qarray(x) -> bool:
-    return isinstance(x, lb.QArray)
-
-
-def keypath_str(keypath) -> tuple[str, ...]:
-    """A jax key path as plain names (NNX Variables' ``.value`` dropped)."""
-    out = []
-    for k in keypath:
-        if isinstance(k, jax.tree_util.DictKey):
-            out.append(str(k.key))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            out.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            if k.name not in ("value", "raw_value", "_raw_value"):
-                out.append(k.name)
-        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-            out.append(str(k.key))
-        else:  # pragma: no cover - other key kinds
-            out.append(str(k))
-    return tuple(out)
-
-
-def bits_of(x) -> float:
-    """Storage bits per element of a float leaf."""
-    return 8.0 * np.dtype(x.dtype).itemsize

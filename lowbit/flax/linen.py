@@ -33,6 +33,7 @@ from lowbit import recipes as _recipes
 from lowbit.flax import _core
 from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Recipe, Rules
 from lowbit.implementation import validate
+from lowbit.io.tree import is_qarray, path_str
 
 __all__ = ["DotGeneral", "Einsum", "Quantized", "intercept", "quantize", "sites"]
 
@@ -62,7 +63,7 @@ def _key(recipe: Recipe):
             "call it inside a module's method, or use lowbit.dot_general(..., key=...)",
         )
     if not m.scope.has_rng(_core.QUANT_STREAM) and not m.is_initializing():
-        where = f"module {_core.path_str(m.path) or type(m).__name__!r}"
+        where = f"module {path_str(m.path) or type(m).__name__!r}"
         raise _core.missing_stream_error(
             recipe,
             where,
@@ -262,7 +263,7 @@ class _Interceptor:
         mpath = tuple(m.path)
         if mpath[: len(self.root)] != self.root:
             return next_fun(*args, **kwargs)
-        path = _core.path_str(mpath[len(self.root) :])
+        path = path_str(mpath[len(self.root) :])
         fields = _fields(m)
         rec = _RECORDER.get()
         if rec is not None:
@@ -391,7 +392,7 @@ def _unpack(tree):
 
 
 def _unpack_checked(tree):
-    if not any(_core.is_qarray(x) for x in jax.tree.leaves(tree, is_leaf=_core.is_qarray)):
+    if not any(is_qarray(x) for x in jax.tree.leaves(tree, is_leaf=is_qarray)):
         raise ValueError(
             "a packed=True module got params without any QArray: pack them first with "
             "lowbit.flax.pack(params, rules) (float weights would enter unquantized)"

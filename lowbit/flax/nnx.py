@@ -26,6 +26,7 @@ from lowbit import recipes as _recipes
 from lowbit.flax import _core
 from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Recipe, Rules
 from lowbit.implementation import validate
+from lowbit.io.tree import path_str
 
 __all__ = ["DotGeneral", "Einsum", "Attention", "PackedModel", "quantize", "sites"]
 
@@ -282,7 +283,7 @@ def sites(model: nnx.Module, rules, *, implementation: str | None = None) -> lis
     for path, m in nnx.iter_modules(model):
         if isinstance(m, _OURS):
             continue
-        p = _core.path_str(path)
+        p = path_str(path)
         name = type(m).__name__
         kernel = _kernel(m)
         kpath = (f"{p}/kernel" if p else "kernel") if kernel is not None else None
@@ -323,7 +324,7 @@ def quantize(
     for path, m in nnx.iter_modules(new):
         if isinstance(m, _OURS):
             continue
-        p = _core.path_str(path)
+        p = path_str(path)
         where = f"module {p!r} ({type(m).__name__})"
         if hasattr(m, "einsum_op") or hasattr(m, "dot_general"):
             r = rules.active(p)
@@ -432,12 +433,3 @@ class PackedModel(nnx.Module):
         # merge() reuses the Variables of ``rest`` (rng streams): their updates persist
         return getattr(self.model(), self.method)(*args, **kwargs)
 
-
-def param_state(model_or_state) -> Any:
-    if isinstance(model_or_state, nnx.Module):
-        return nnx.state(model_or_state, nnx.Param)
-    return model_or_state
-
-
-def is_module(x) -> bool:
-    return isinstance(x, nnx.Module)

@@ -11,9 +11,11 @@ import jax
 import numpy as np
 
 import lowbit as lb
+from lowbit.bits import bits_per_element, leaf_nbytes
 from lowbit.flax import _core
 from lowbit.flax._core import Layout, Rules, Site
 from lowbit.implementation import resolve, validate
+from lowbit.io.tree import is_qarray, keypath_str, path_str
 
 
 def sites(model, rules, *args, implementation: str | None = None, **kwargs) -> list[Site]:
@@ -55,9 +57,9 @@ def unpack(tree, dtype=None):
     ('QArray', (32, 4))
     """
     return jax.tree.map(
-        lambda x: _dequantize(x, dtype) if _core.is_qarray(x) else x,
+        lambda x: _dequantize(x, dtype) if is_qarray(x) else x,
         tree,
-        is_leaf=_core.is_qarray,
+        is_leaf=is_qarray,
     )
 
 
@@ -117,11 +119,11 @@ def pack(params, rules, *, sites: list[Site] | dict[str, Layout] | None = None):
     inner, rewrap = _split_variables(params)
 
     def one(keypath, leaf):
-        names = _core.keypath_str(keypath)
-        if not names or names[-1] != "kernel" or _core.is_qarray(leaf):
+        names = keypath_str(keypath)
+        if not names or names[-1] != "kernel" or is_qarray(leaf):
             return leaf
-        kpath = _core.path_str(names)
-        mpath = _core.path_str(names[:-1])
+        kpath = path_str(names)
+        mpath = path_str(names[:-1])
         if layouts is not None and kpath not in layouts:
             return leaf  # not a GEMM weight (a convolution, an embedding, ...)
         recipe = rules.active(mpath)
@@ -144,7 +146,7 @@ def pack(params, rules, *, sites: list[Site] | dict[str, Layout] | None = None):
             )
         return _core.pack_weight(leaf, spec, layout)
 
-    out = jax.tree_util.tree_map_with_path(one, inner, is_leaf=_core.is_qarray)
+    out = jax.tree_util.tree_map_with_path(one, inner, is_leaf=is_qarray)
     return rewrap(out)
 
 
@@ -173,10 +175,11 @@ class Row:
 
 
 def weight_bits(recipe: lb.Recipe | None, dtype) -> float:
-    """Bits per weight element a recipe stores (its forward weight spec), else the dtype's."""
-    if recipe is not None and not recipe.is_identity and recipe.fwd.rhs is not None:
-        return float(recipe.fwd.rhs.bits_per_element)
-    return 8.0 * np.dtype(dtype).itemsize
+    """Bits per weight element a recipe stores (its forward weight spec), else the dtype's:
+    the ``describe`` convention of :func:`lowbit.bits.bits_per_element` (float = its dtype,
+    no tensor scale)."""
+    spec = recipe.fwd.rhs if recipe is not None and not recipe.is_identity else None
+    return bits_per_element(spec, float_bits=8.0 * np.dtype(dtype).itemsize)
 
 
 def describe(
@@ -231,7 +234,7 @@ def describe(
         rows.append(Row(s.path, s.module, s.kind, r.name if r else "-", s.shape, n, bits, impl))
     total_n, total_bits = 0, 0.0
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = _core.path_str(_core.keypath_str(keypath))
+        name = path_str(keypath_str(keypath))
         n = math.prod(np.shape(leaf))
         total_n += n
         total_bits += n * quantized.get(name, 8.0 * np.dtype(leaf.dtype).itemsize)
@@ -292,10 +295,4 @@ def packed_nbytes(tree: Any) -> int:
     >>> lbf.packed_nbytes(params), lbf.packed_nbytes(lbf.pack(params, [(".*", "qat_mxfp4")]))
     (8320, 1216)
     """
-    total = 0
-    for leaf in jax.tree.leaves(tree, is_leaf=_core.is_qarray):
-        if _core.is_qarray(leaf):
-            total += leaf.nbytes
-        else:
-            total += int(np.prod(np.shape(leaf))) * np.dtype(leaf.dtype).itemsize
-    return total
+    return sum(leaf_nbytes(x) for x in jax.tree.leaves(tree, is_leaf=is_qarray))
