@@ -42,17 +42,17 @@ import os
 import pathlib
 import re
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import lowbit.flax as lbf
 from lowbit import recipes as _recipes
 from lowbit.autoquant.heuristic import classify
 from lowbit.autoquant.solver import recipe_from_json, recipe_to_json
 from lowbit.bits import FLOAT_BITS, storage_bits
+from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Rules
+from lowbit.flax.adapters import Probe, adapter_for
 from lowbit.recipes import Recipe
 
 __all__ = ["METHODS", "RULES", "FLOAT_BITS", "Scores", "score", "scoring_flops", "path_points",
@@ -63,7 +63,7 @@ RULES = ("midpoint", "gauss")  # "shapley": the quadrature of the path integral
 _NONE = _recipes.get("none")
 # any recipe that quantizes: with observe=True the sites it reaches run float ops
 _PROBE = _recipes.get("qat_mxfp8")
-_ATTN_SUFFIXES = ("/" + lbf.ATTN_SCORES, "/" + lbf.ATTN_VALUES)
+_ATTN_SUFFIXES = ("/" + ATTN_SCORES, "/" + ATTN_VALUES)
 
 
 def weight_bits(recipe: Recipe, params: int) -> float:
@@ -186,44 +186,10 @@ class Scores:
 # The model under hooks
 
 
-@dataclasses.dataclass
-class _Runner:
-    """Runs ``fn(model_or_variables, batch)`` on the probe copy of the model with a hook."""
-
-    fw: str
-    graphdef: Any  # NNX
-    state: Any  # NNX: the probe's state; Linen: the variables
-    module: Any = None  # Linen: the unbound module
-
-    def __call__(self, fn, state, batch, hook):
-        if self.fw == "nnx":
-            from flax import nnx
-
-            model = nnx.merge(self.graphdef, state)
-            with lbf.substituting(hook):
-                return fn(model, batch)
-        with lbf.linen.intercept([(".*", _PROBE)], observe=True), lbf.substituting(hook):
-            return fn(state, batch)
-
-
-def _runner(model, variables) -> _Runner:
-    fw = lbf.framework(model)
-    if fw == "nnx":
-        from flax import nnx
-
-        if variables is not None:
-            raise TypeError("score: variables= is for Linen modules; an NNX model holds its own")
-        probe = lbf.quantize(model, [(".*", _PROBE)], observe=True)
-        graphdef, state = nnx.split(probe)
-        return _Runner("nnx", graphdef, state)
-    if variables is None:
-        if model.scope is None:
-            raise TypeError(
-                f"score: a Linen module needs its variables: pass {type(model).__name__}(...)"
-                ".bind(variables) or variables=..."
-            )
-        model, variables = model.unbind()
-    return _Runner("linen", None, variables, model)
+def _runner(model, variables) -> Probe:
+    """The probe copy of the model (its sites hold float ops the hooks reach), through the
+    model's adapter (chosen here, once)."""
+    return adapter_for(model).probe(model, variables, _PROBE)
 
 
 def _scalar(out, where: str = "loss_fn"):
@@ -250,7 +216,7 @@ class _Site:
     params: int
 
 
-def _discover(run: _Runner, loss_fn, batch) -> list[_Site]:
+def _discover(run: Probe, loss_fn, batch) -> list[_Site]:
     """The weight sites ``loss_fn`` reaches, in forward order (traced, not run)."""
     seen: dict[str, _Site] = {}
 
@@ -267,7 +233,7 @@ def _select(sites: list[_Site], rules) -> list[_Site]:
     if rules is None:
         chosen = [s for s in sites if classify(s.path) not in ("embedding", "head", "router")]
     else:
-        rules = lbf.Rules.of(rules)
+        rules = Rules.of(rules)
         for rule in rules.rules:
             if not any(rule.regex.fullmatch(s.path) for s in sites):
                 raise ValueError(
@@ -442,7 +408,7 @@ def _path_point(gemm, lhs, rhs, lq, rq, gate):
 class _Program:
     """The jitted programs of one ``score`` call (sites, candidates and model fixed)."""
 
-    def __init__(self, run: _Runner, loss_fn, output_fn, sites: list[str], recipes):
+    def __init__(self, run: Probe, loss_fn, output_fn, sites: list[str], recipes):
         self.run, self.loss_fn, self.output_fn = run, loss_fn, output_fn
         self.index = {p: i for i, p in enumerate(sites)}
         self.quant = [_forward_only(r) for r in recipes[1:]]  # the candidates but "none"
@@ -629,9 +595,8 @@ _PROGRAMS: dict[tuple, _Program] = {}
 _PROGRAMS_KEPT = 8
 
 
-def _program(run: _Runner, loss_fn, output_fn, paths, recipes) -> _Program:
-    structure = run.graphdef if run.fw == "nnx" else run.module
-    key = (run.fw, structure, loss_fn, output_fn, tuple(paths), tuple(recipes))
+def _program(run: Probe, loss_fn, output_fn, paths, recipes) -> _Program:
+    key = (run.adapter.name, run.structure, loss_fn, output_fn, tuple(paths), tuple(recipes))
     try:
         hash(key)
     except TypeError:  # an unhashable model structure or function: no reuse
@@ -717,20 +682,10 @@ def scoring_flops(
     )
     n_s, n_c = len(chosen), len(recipes)
     key = jax.random.key(0)
-    if run.fw == "nnx":
-        from flax import nnx
+    loss, params = run.adapter.float_loss(model, run, loss_fn)
 
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-        def float_loss(params, batch):
-            return _scalar(loss_fn(nnx.merge(graphdef, params, rest), batch))
-
-    else:
-        variables = run.state
-        params = variables["params"]
-
-        def float_loss(params, batch):
-            return _scalar(loss_fn({**variables, "params": params}, batch))
+    def float_loss(params, batch):
+        return _scalar(loss(params, batch))
 
     f = _flops(jax.jit(jax.grad(float_loss)), params, batch)
     sel = jnp.zeros((n_s,), jnp.int32)
