@@ -174,3 +174,52 @@ def test_lowbit_reaches_the_kernels_through_one_table():
                  and isinstance(n.value, str) and id(n) not in docs
                  and n.value.startswith("pallas_kernels")]
         assert not names, f"{module} names {names}"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules of ours it imports, by any import statement (those inside
+    functions included: ``imports`` walks the whole tree); an import of a name resolves to
+    the module that defines it (the longest of our modules that prefixes it)."""
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, path in MODULES.items():
+        for target, _, _ in imports(module, path):
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                graph[module].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (its modules in import order, the first repeated last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if t not in state and (found := visit(t)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_import_graph_has_no_cycle():
+    """No two modules import each other, directly or through others, not even inside a
+    function (where the layer test above cannot see the cycle: both may sit in one layer)."""
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)

@@ -68,71 +68,13 @@ def save(path: str | os.PathLike, tree: Any) -> pathlib.Path:
                 f"refusing to replace {path}: it exists and is not a lowbit checkpoint "
                 f"(no {MANIFEST})"
             )
-    try:
-        if any(c.__module__.startswith("flax.nnx") and c.__name__ == "Module"
-               for c in type(tree).__mro__):
-            raise TypeError("save the model's state: lowbit.flax.save(path, nnx.state(model))")
-    except ImportError:  # pragma: no cover
-        pass
+    if any(c.__module__.startswith("flax.nnx") and c.__name__ == "Module"
+           for c in type(tree).__mro__):  # an NNX model (flax itself is not imported here)
+        raise TypeError("save the model's state: lowbit.flax.save(path, nnx.state(model))")
     flat, _ = trees.flatten(tree)
     leaves, arrays = [], {}
     for i, (entries, leaf) in enumerate(flat):
-        name = trees.name(entries)
-        rec: dict[str, Any] = {"path": entries}
-        if trees.is_qarray(leaf):
-            rec.update(
-                kind="qarray",
-                format=leaf.format_name,
-                shape=list(leaf.shape),
-                dtype=np.dtype(leaf.dtype).name,
-                axes=list(leaf.axes),
-                block_shape=list(leaf.block_shape),
-                fields={},
-            )
-            for f in _QFIELDS:
-                a = getattr(leaf, f)
-                if a is None:
-                    continue
-                key = f"a{i:05d}_{f}"
-                if np.size(a) == 0:  # ternary's block scales: orbax stores no empty arrays,
-                    key = None  # the manifest's shape and dtype rebuild it
-                else:
-                    arrays[key] = a
-                rec["fields"][f] = {
-                    "key": key,
-                    "shape": list(np.shape(a)),
-                    "dtype": np.dtype(a.dtype).name,
-                    "sha256": trees.sha256(a),
-                }
-        elif (trees.is_array(leaf) and not isinstance(leaf, jax.ShapeDtypeStruct)
-              and trees.is_key(leaf)):
-            # typed PRNG keys (NNX rng streams): stored as their key data
-            key = f"a{i:05d}"
-            data = jax.random.key_data(leaf)
-            arrays[key] = data
-            rec.update(
-                kind="key",
-                key=key,
-                impl=str(jax.random.key_impl(leaf)),
-                shape=list(np.shape(leaf)),
-                dtype=trees.dtype_name(leaf),
-                data_shape=list(np.shape(data)),
-                data_dtype=np.dtype(data.dtype).name,
-                sha256=trees.sha256(data),
-            )
-        elif trees.is_array(leaf) and not isinstance(leaf, jax.ShapeDtypeStruct):
-            key = f"a{i:05d}"
-            arrays[key] = leaf
-            rec.update(
-                kind="array",
-                key=key,
-                shape=list(np.shape(leaf)),
-                dtype=np.dtype(leaf.dtype).name,
-                sha256=trees.sha256(leaf),
-            )
-        else:
-            raise TypeError(f"save: leaf {name!r} is a {type(leaf).__name__}, not an array")
-        leaves.append(rec)
+        leaves.append(_leaf_record(i, entries, leaf, arrays))
     manifest = {"format": "lowbit-flax-checkpoint", "version": VERSION, "leaves": leaves}
 
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -164,6 +106,66 @@ def save(path: str | os.PathLike, tree: Any) -> pathlib.Path:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def _leaf_record(i: int, entries: list, leaf, arrays: dict) -> dict:
+    """The manifest record of leaf ``i``; its arrays go into ``arrays`` (orbax key -> array)."""
+    name = trees.name(entries)
+    rec: dict[str, Any] = {"path": entries}
+    if trees.is_qarray(leaf):
+        rec.update(
+            kind="qarray",
+            format=leaf.format_name,
+            shape=list(leaf.shape),
+            dtype=np.dtype(leaf.dtype).name,
+            axes=list(leaf.axes),
+            block_shape=list(leaf.block_shape),
+            fields={},
+        )
+        for f in _QFIELDS:
+            a = getattr(leaf, f)
+            if a is None:
+                continue
+            key = f"a{i:05d}_{f}"
+            if np.size(a) == 0:  # ternary's block scales: orbax stores no empty arrays,
+                key = None  # the manifest's shape and dtype rebuild it
+            else:
+                arrays[key] = a
+            rec["fields"][f] = {
+                "key": key,
+                "shape": list(np.shape(a)),
+                "dtype": np.dtype(a.dtype).name,
+                "sha256": trees.sha256(a),
+            }
+    elif (trees.is_array(leaf) and not isinstance(leaf, jax.ShapeDtypeStruct)
+          and trees.is_key(leaf)):
+        # typed PRNG keys (NNX rng streams): stored as their key data
+        key = f"a{i:05d}"
+        data = jax.random.key_data(leaf)
+        arrays[key] = data
+        rec.update(
+            kind="key",
+            key=key,
+            impl=str(jax.random.key_impl(leaf)),
+            shape=list(np.shape(leaf)),
+            dtype=trees.dtype_name(leaf),
+            data_shape=list(np.shape(data)),
+            data_dtype=np.dtype(data.dtype).name,
+            sha256=trees.sha256(data),
+        )
+    elif trees.is_array(leaf) and not isinstance(leaf, jax.ShapeDtypeStruct):
+        key = f"a{i:05d}"
+        arrays[key] = leaf
+        rec.update(
+            kind="array",
+            key=key,
+            shape=list(np.shape(leaf)),
+            dtype=np.dtype(leaf.dtype).name,
+            sha256=trees.sha256(leaf),
+        )
+    else:
+        raise TypeError(f"save: leaf {name!r} is a {type(leaf).__name__}, not an array")
+    return rec
 
 
 @contextlib.contextmanager
@@ -264,51 +266,10 @@ def restore(path: str | os.PathLike, target: Any = None, *, verify: bool = True)
     manifest = _read_manifest(path)
     recs = manifest["leaves"]
     by_name = {trees.name(r["path"]): r for r in recs}
-    target_leaves = None
+    target_leaves, treedef, names = None, None, None
     if target is not None:
-        flat, treedef = trees.flatten(target)
-        names = [trees.name(e) for e, _ in flat]
-        missing = [n for n in names if n not in by_name]
-        unexpected = [n for n in by_name if n not in set(names)]
-        mismatched = [
-            f"{n!r}: checkpoint has {_rec_describe(by_name[n])}, target expects "
-            f"{trees.describe_leaf(leaf)}"
-            for n, (_, leaf) in zip(names, flat, strict=True)
-            if n in by_name and not _target_matches(by_name[n], leaf)
-        ]
-        if missing or unexpected or mismatched:
-            parts = []
-            if missing:
-                parts.append(f"missing from the checkpoint: {missing}")
-            if unexpected:
-                parts.append(f"in the checkpoint but not in the target: {unexpected}")
-            if mismatched:
-                parts.append("shape/dtype/format mismatch: " + "; ".join(mismatched))
-            raise CheckpointError(
-                f"checkpoint {path} does not match the target: " + " | ".join(parts)
-            )
-        target_leaves = {n: leaf for n, (_, leaf) in zip(names, flat, strict=True)}
-
-    abstract = {}
-    for r in recs:
-        name = trees.name(r["path"])
-        tleaf = target_leaves.get(name) if target_leaves is not None else None
-        if r["kind"] == "array":
-            abstract[r["key"]] = jax.ShapeDtypeStruct(
-                tuple(r["shape"]), jnp.dtype(r["dtype"]), sharding=_leaf_sharding(tleaf)
-            )
-        elif r["kind"] == "key":
-            abstract[r["key"]] = jax.ShapeDtypeStruct(
-                tuple(r["data_shape"]), jnp.dtype(r["data_dtype"])
-            )
-        else:
-            for f, fr in r["fields"].items():
-                if fr["key"] is None:  # an empty field, not stored
-                    continue
-                sub = getattr(tleaf, f, None) if tleaf is not None else None
-                abstract[fr["key"]] = jax.ShapeDtypeStruct(
-                    tuple(fr["shape"]), jnp.dtype(fr["dtype"]), sharding=_leaf_sharding(sub)
-                )
+        target_leaves, treedef, names = _check_target(path, by_name, target)
+    abstract = _abstract_arrays(recs, target_leaves)
     try:
         with _quiet(), ocp.StandardCheckpointer() as ckptr:
             arrays = ckptr.restore(path / ARRAYS, abstract)
@@ -369,6 +330,60 @@ def restore(path: str | os.PathLike, target: Any = None, *, verify: bool = True)
         else:
             return built[trees.name(r["path"])]
     return out
+
+
+def _check_target(path, by_name: dict, target):
+    """(leaves by name, treedef, names) of ``target``; a CheckpointError naming what does
+    not match the checkpoint's records."""
+    flat, treedef = trees.flatten(target)
+    names = [trees.name(e) for e, _ in flat]
+    missing = [n for n in names if n not in by_name]
+    unexpected = [n for n in by_name if n not in set(names)]
+    mismatched = [
+        f"{n!r}: checkpoint has {_rec_describe(by_name[n])}, target expects "
+        f"{trees.describe_leaf(leaf)}"
+        for n, (_, leaf) in zip(names, flat, strict=True)
+        if n in by_name and not _target_matches(by_name[n], leaf)
+    ]
+    if missing or unexpected or mismatched:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {missing}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in the target: {unexpected}")
+        if mismatched:
+            parts.append("shape/dtype/format mismatch: " + "; ".join(mismatched))
+        raise CheckpointError(
+            f"checkpoint {path} does not match the target: " + " | ".join(parts)
+        )
+    target_leaves = {n: leaf for n, (_, leaf) in zip(names, flat, strict=True)}
+
+    return target_leaves, treedef, names
+
+
+def _abstract_arrays(recs: list, target_leaves: dict | None) -> dict:
+    """What orbax restores: each stored array's shape, dtype and (the target's) sharding."""
+    abstract = {}
+    for r in recs:
+        name = trees.name(r["path"])
+        tleaf = target_leaves.get(name) if target_leaves is not None else None
+        if r["kind"] == "array":
+            abstract[r["key"]] = jax.ShapeDtypeStruct(
+                tuple(r["shape"]), jnp.dtype(r["dtype"]), sharding=_leaf_sharding(tleaf)
+            )
+        elif r["kind"] == "key":
+            abstract[r["key"]] = jax.ShapeDtypeStruct(
+                tuple(r["data_shape"]), jnp.dtype(r["data_dtype"])
+            )
+        else:
+            for f, fr in r["fields"].items():
+                if fr["key"] is None:  # an empty field, not stored
+                    continue
+                sub = getattr(tleaf, f, None) if tleaf is not None else None
+                abstract[fr["key"]] = jax.ShapeDtypeStruct(
+                    tuple(fr["shape"]), jnp.dtype(fr["dtype"]), sharding=_leaf_sharding(sub)
+                )
+    return abstract
 
 
 def _leaf_sharding(x):
