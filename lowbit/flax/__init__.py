@@ -18,6 +18,10 @@ Keys: stochastic rounding and random Hadamard signs draw from an rng stream name
 (Linen: ``apply(..., rngs={"quant": key})``; NNX: ``quantize(model, rules,
 rngs=nnx.Rngs(quant=seed))``). Recipes that need no key need no stream.
 
+NNX and Linen differ in how sites are found, ops swapped and parameters held: one adapter per
+API (:mod:`lowbit.flax.adapters`), picked once where a model enters, answers those questions
+for the whole library (this package, :mod:`lowbit.ptq`, :mod:`lowbit.autoquant`).
+
 Implementations: ``quantize(..., implementation="xla" | "pallas" | None)`` reaches every
 :func:`lowbit.dot_general` / :func:`lowbit.einsum` call of the quantized sites (the op modules
 hold it as a static attribute); :func:`describe` shows it per site.

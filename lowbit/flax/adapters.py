@@ -75,24 +75,75 @@ class Probe:
 
 
 class Adapter:
-    """The questions lowbit asks of a model (see the module docstring)."""
+    """The questions lowbit asks of a model (see the module docstring); one subclass per
+    Flax API, one instance each (:data:`NNX`, :data:`LINEN`)."""
 
     name: str
     transform_params: tuple[str, ...]  # names of the parameters a SiteTransform is kept in
 
+    # lowbit.flax: sites, rules, packing
     def sites(self, model, rules: Rules, args=(), kwargs=None, *,
               implementation: Implementation | None = None) -> list[Site]:
+        """The model's sites (Linen: traced on example inputs ``args``, ``kwargs``)."""
         raise NotImplementedError
 
     def sites_and_params(self, model, rules: Rules, args=(), kwargs=None, *,
                          implementation: Implementation | None = None) -> tuple[list[Site], Any]:
+        """The sites and the (possibly abstract) parameter tree."""
         raise NotImplementedError
 
     def quantize(self, model, rules: Rules, *, rngs, packed: bool, method: str,
                  implementation: Implementation, observe: bool):
+        """The model with the rules' sites swapped for lowbit ops."""
         raise NotImplementedError
 
-    def pack(self, model, rules: Rules, site_list: list[Site] | None):
+    def pack(self, model, rules: Rules, site_list):
+        """The model's parameters with the rules' weights packed."""
+        raise NotImplementedError
+
+    # lowbit.ptq: a model with its parameters, transformed and run under observation
+    def bound(self, model, where: str) -> Bound:
+        raise NotImplementedError
+
+    def needs_example(self) -> bool:
+        """Whether finding the sites needs example inputs."""
+        raise NotImplementedError
+
+    def params(self, b: Bound):
+        raise NotImplementedError
+
+    def rebuild(self, b: Bound, edits: list[Edit], rules: Rules, *, packed: bool,
+                observe: bool, implementation: Implementation | None) -> Bound:
+        raise NotImplementedError
+
+    def observer(self, b: Bound, call, collect, static) -> Callable:
+        raise NotImplementedError
+
+    def simulated_weights(self, weights: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def served(self, b: Bound, sites: list[Site], weights: dict[str, Any]):
+        raise NotImplementedError
+
+    def finish(self, b: Bound):
+        """The runnable model of ``b``."""
+        raise NotImplementedError
+
+    def packed_params(self, packed):
+        """The parameter tree of a packed (served) model."""
+        raise NotImplementedError
+
+    # lowbit.autoquant: probes under substitution hooks
+    def probe(self, model, variables, recipe: Recipe) -> Probe:
+        raise NotImplementedError
+
+    def run(self, probe: Probe, fn, state, batch, hook):
+        raise NotImplementedError
+
+    def float_loss(self, model, probe: Probe, loss: Callable) -> tuple[Callable, Any]:
+        raise NotImplementedError
+
+    def weight_sites(self, model, example: tuple) -> list[Site]:
         raise NotImplementedError
 
 
@@ -251,12 +302,6 @@ class NnxAdapter(Adapter):
 # Linen
 
 
-def _get(tree, parts):
-    for p in parts:
-        tree = tree[p]
-    return tree
-
-
 def _set(tree, parts, value):
     """A copy of nested dict ``tree`` with ``value`` at ``parts`` (dicts copied on the path)."""
     out = dict(tree)
@@ -362,9 +407,6 @@ class LinenAdapter(Adapter):
 
     def packed_params(self, packed):
         return packed.unbind()[1]["params"]
-
-    def kernel(self, b: Bound, site: Site):
-        return _get(b.variables["params"], _kernel_parts(site))
 
     # probes (lowbit.autoquant)
 
