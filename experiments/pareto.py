@@ -49,6 +49,7 @@ from experiments import compare, studylib, trainer
 from experiments.config import RunConfig, quant_rules, split_list
 from experiments.configlib import ConfigError
 from lowbit import autoquant
+from lowbit.bits import storage_bits
 
 __all__ = [
     "WeightMemory",
@@ -99,8 +100,9 @@ class WeightMemory:
 def weight_memory(model: nnx.Module, rules) -> WeightMemory:
     """The weight memory of the NNX ``model`` (concrete or ``nnx.eval_shape``'d) under the
     ``lowbit.flax`` ``rules``: the kernel of every site a rule gives a quantizing recipe at
-    :func:`lowbit.autoquant.weight_bits` (the recipe's forward weight format; a recipe whose
-    forward keeps the weight in float counts 16 bits), every other parameter at 16 bits (bf16).
+    :func:`lowbit.bits.storage_bits` of the recipe's forward weight spec, tensor scale counted
+    (a recipe whose forward keeps the weight in float counts 16 bits), every other parameter at
+    16 bits (bf16): the convention of ``lowbit.bits``'s table for this study.
 
     >>> from flax import nnx
     >>> model = nnx.Sequential(nnx.Linear(64, 64, rngs=nnx.Rngs(0)),
@@ -114,7 +116,7 @@ def weight_memory(model: nnx.Module, rules) -> WeightMemory:
         if s.kernel is None or s.recipe is None or s.recipe.is_identity:
             continue
         n = math.prod(s.shape)
-        quantized[s.kernel] = (n, autoquant.weight_bits(s.recipe, n))
+        quantized[s.kernel] = (n, storage_bits(s.recipe.fwd.rhs, s.shape))
     params = bits = q_params = q_bits = 0
     leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
     for keypath, leaf in leaves:
@@ -124,7 +126,7 @@ def weight_memory(model: nnx.Module, rules) -> WeightMemory:
             b = quantized.pop(name)[1]
             q_params, q_bits = q_params + n, q_bits + b
         else:
-            b = autoquant.FLOAT_BITS * n
+            b = storage_bits(None, leaf.shape)
         params, bits = params + n, bits + b
     if quantized:  # pragma: no cover - a site whose kernel is not a parameter of the model
         raise ValueError(f"quantized kernels not found among the parameters: {sorted(quantized)}")

@@ -5,7 +5,7 @@
 4.25
 """
 
-from lowbit import calibrate, formats, hadamard, native, numerics, recipes
+from lowbit import bits, calibrate, formats, hadamard, native, numerics, recipes
 from lowbit.dot_general import dot_general, einsum
 from lowbit.formats import BlockFormat, ElementFormat, ScaleFormat
 from lowbit.qarray import QArray, dequantize, fake_quantize, quantize
@@ -16,8 +16,8 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     # lowbit.flax (and what builds on it) imports Flax: load on first use so `import lowbit`
-    # stays light.
-    if name in ("flax", "ptq", "autoquant"):
+    # stays light; lowbit.io (orbax checkpoints) too.
+    if name in ("flax", "ptq", "autoquant", "io"):
         import importlib
 
         return importlib.import_module(f"lowbit.{name}")
@@ -29,6 +29,8 @@ __all__ = [
     "flax",
     "ptq",
     "autoquant",
+    "io",
+    "bits",
     "formats",
     "hadamard",
     "native",

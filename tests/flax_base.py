@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 import lowbit as lb
 import lowbit.flax as lbf
+from lowbit.implementation import resolve
 
 B, T, D = 2, 16, 32  # T = 16: NVFP4's wgrad Hadamard runs along the token axis
 
@@ -316,17 +317,18 @@ class FlaxIntegrationBase:
         assert 4.0 < total.bits_per_param < 32.0
         for word in ("attn/attn_scores", "up", "bits/param", "total", "impl", "auto"):
             assert word in out
-        # the implementation the quantized sites would run
-        assert all(r.implementation is None for r in rows)
+        # the implementation the quantized sites would run (resolved where describe starts)
+        assert all(r.implementation == (resolve(None) if r.recipe not in ("-", "") else None)
+                   for r in rows)
         mlp, rules = a.mlp(), [(r"up", "qat_mxfp4")]
         rows = a.describe(mlp, rules, x, implementation="pallas", print_fn=None)
         assert {r.path: r.implementation for r in rows} == {
-            "up": "pallas",
+            "up": resolve("pallas"),
             "down": None,
             "total": None,
         }
         sites = a.sites(mlp, rules, x, implementation="xla")
-        assert {s.path: s.implementation for s in sites} == {"up": "xla", "down": None}
+        assert {s.path: s.implementation for s in sites} == {"up": resolve("xla"), "down": None}
 
     # 7. implementation=
 
@@ -359,13 +361,13 @@ class FlaxIntegrationBase:
         monkeypatch.setattr(lb, "einsum", spy(lb.einsum))
         # every site of Net: 4 attention projections, its 2 einsums, proj, mix, up, down
         a.forward_shape(a.quantize(model, [(r".*", "mxfp8")], implementation="pallas"), x)
-        assert calls == ["pallas"] * 10
+        assert calls == [resolve("pallas")] * 10
         calls.clear()
         a.forward_shape(a.quantize(mlp, mlp_rules), x)
-        assert calls == [None, None]
+        assert calls == [resolve(None)] * 2
         calls.clear()  # packed serving
         a.forward_shape(a.serve(mlp, mlp_rules, packed, implementation="pallas"), x)
-        assert calls == ["pallas", "pallas"]
+        assert calls == [resolve("pallas")] * 2
 
     def test_implementation_is_validated(self, x):
         a = self.adapter
@@ -380,7 +382,7 @@ class FlaxIntegrationBase:
         for op in a.op_types:
             with pytest.raises(ValueError, match=BAD_IMPLEMENTATION):
                 op("mxfp4", implementation="cuda")
-            assert op("mxfp4", implementation="pallas").implementation == "pallas"
+            assert op("mxfp4", implementation="pallas").implementation == resolve("pallas")
         for bad in ("XLA", "triton", 3, ("xla",)):
             with pytest.raises(ValueError, match="implementation must be one of"):
                 a.quantize(mlp, rules, implementation=bad)

@@ -325,7 +325,7 @@ def test_groups_add_and_plans_feed_quantize(mlp, batches, tmp_path):
     assert {re.sub(r"\\", "", p) for p, _ in rules} == set(SITES)
     assert lbf.Rules.of(rules).match("mid").name == plan.choices["{up,mid}"]
     # saved and loaded, the plan quantizes the model the same way
-    loaded = aq.Plan.load(plan.save(tmp_path / "plan.json"))
+    loaded = aq.PrecisionPlan.load(plan.save(tmp_path / "plan.json"))
     assert loaded == plan
     y1 = nnx.jit(mse)(lbf.quantize(mlp, plan.rules()), batches[0])
     y2 = nnx.jit(mse)(lbf.quantize(mlp, loaded.rules()), batches[0])
@@ -335,7 +335,7 @@ def test_groups_add_and_plans_feed_quantize(mlp, batches, tmp_path):
     sc = aq.score(mlp, mse, batches[:1], [custom], method="gradient")
     pc = aq.solve(sc, bits=7.0)
     assert "w6a16" in pc.choices.values()
-    assert aq.Plan.load(pc.save(tmp_path / "c.json")).recipes["w6a16"] == custom
+    assert aq.PrecisionPlan.load(pc.save(tmp_path / "c.json")).recipes["w6a16"] == custom
     with pytest.raises(ValueError, match="smallest feasible budget is 6.25"):
         aq.solve(sc, bits=4.0)
 

@@ -38,7 +38,14 @@ from lowbit.autoquant.scoring import (
     scoring_flops,
     weight_bits,
 )
-from lowbit.autoquant.solver import Plan, knapsack, recipe_from_json, recipe_to_json, solve
+from lowbit.autoquant.solver import (
+    Plan,
+    PrecisionPlan,
+    knapsack,
+    recipe_from_json,
+    recipe_to_json,
+    solve,
+)
 
 __all__ = [
     "PRESETS",
@@ -56,6 +63,7 @@ __all__ = [
     "weight_bits",
     "knapsack",
     "solve",
+    "PrecisionPlan",
     "Plan",
     "recipe_to_json",
     "recipe_from_json",

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import re
 
-import lowbit.flax as lbf
 from lowbit import recipes as _recipes
+from lowbit.flax._core import Site
+from lowbit.flax.adapters import adapter_for
 
 __all__ = ["PRESETS", "ROLES", "classify", "heuristic", "weight_sites"]
 
@@ -72,22 +73,11 @@ def classify(path: str) -> str:
     return "other"
 
 
-def weight_sites(model, *example) -> list[lbf.Site]:
+def weight_sites(model, *example) -> list[Site]:
     """The sites of ``model`` that hold a weight (attention score / value products excluded):
     an NNX model is read from its graph; a Linen module is traced on ``example`` inputs (bound
     modules are unbound first)."""
-    if lbf.framework(model) == "linen":
-        if model.scope is not None:
-            model = model.clone(parent=None)
-        if not example:
-            raise TypeError(
-                "a Linen module needs example inputs to find its sites: pass example=(x, ...)"
-            )
-        found = lbf.sites(model, [], *example)
-    else:
-        if example:
-            raise TypeError("an NNX model needs no example inputs")
-        found = lbf.sites(model, [])
+    found = adapter_for(model).weight_sites(model, tuple(example))
     return [s for s in found if s.kernel is not None]
 
 

@@ -35,24 +35,24 @@ it predict loss changes; ``"gradient"`` and ``"kl"`` are scores.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
 import pathlib
 import re
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import lowbit.flax as lbf
-from lowbit import formats as _formats
 from lowbit import recipes as _recipes
 from lowbit.autoquant.heuristic import classify
+from lowbit.autoquant.programs import NONE, needs_key, program, scalar
 from lowbit.autoquant.solver import recipe_from_json, recipe_to_json
+from lowbit.bits import FLOAT_BITS, storage_bits
+from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Rules
+from lowbit.flax.adapters import Probe, adapter_for
 from lowbit.recipes import Recipe
 
 __all__ = ["METHODS", "RULES", "FLOAT_BITS", "Scores", "score", "scoring_flops", "path_points",
@@ -60,30 +60,22 @@ __all__ = ["METHODS", "RULES", "FLOAT_BITS", "Scores", "score", "scoring_flops",
 
 METHODS = ("isolated", "gradient", "kl", "shapley")
 RULES = ("midpoint", "gauss")  # "shapley": the quadrature of the path integral
-FLOAT_BITS = 16.0  # a float weight counts as bf16, as deployed
-TENSOR_SCALE_BITS = 32.0  # one float32 scale per tensor (NVFP4, per-tensor FP8)
-_NONE = _recipes.get("none")
 # any recipe that quantizes: with observe=True the sites it reaches run float ops
 _PROBE = _recipes.get("qat_mxfp8")
-_ATTN_SUFFIXES = ("/" + lbf.ATTN_SCORES, "/" + lbf.ATTN_VALUES)
+_ATTN_SUFFIXES = ("/" + ATTN_SCORES, "/" + ATTN_VALUES)
 
 
 def weight_bits(recipe: Recipe, params: int) -> float:
     """Storage bits of a weight of ``params`` elements under ``recipe``'s forward: elements
     plus block scales (and a float32 tensor scale where the format has one); a weight the
     forward keeps in high precision counts :data:`FLOAT_BITS` per element. (The ``nvfp4``
-    recipe's weights are 16x16 tiles: one E4M3 scale per 256 elements.)
+    recipe's weights are 16x16 tiles: one E4M3 scale per 256 elements.) The autoquant
+    convention of :func:`lowbit.bits.storage_bits`.
 
     >>> weight_bits(_recipes.get("mxfp4"), 1024), weight_bits(_recipes.get("nvfp4"), 1024)
     (4352.0, 4160.0)
     """
-    spec = recipe.fwd.rhs
-    if spec is None:
-        return FLOAT_BITS * params
-    if spec.granularity != "block":  # FP8 / int8 codes and float32 scales (one per tensor
-        return 8.0 * params + TENSOR_SCALE_BITS  # counted; a per-row weight's rows are not)
-    extra = TENSOR_SCALE_BITS if _formats.get(spec.format).tensor_scale else 0.0
-    return spec.bits_per_element * params + extra
+    return storage_bits(recipe.fwd.rhs, (params,), float_bits=FLOAT_BITS, tensor_scale=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,58 +185,10 @@ class Scores:
 # The model under hooks
 
 
-@dataclasses.dataclass
-class _Runner:
-    """Runs ``fn(model_or_variables, batch)`` on the probe copy of the model with a hook."""
-
-    fw: str
-    graphdef: Any  # NNX
-    state: Any  # NNX: the probe's state; Linen: the variables
-    module: Any = None  # Linen: the unbound module
-
-    def __call__(self, fn, state, batch, hook):
-        if self.fw == "nnx":
-            from flax import nnx
-
-            model = nnx.merge(self.graphdef, state)
-            with lbf.substituting(hook):
-                return fn(model, batch)
-        with lbf.linen.intercept([(".*", _PROBE)], observe=True), lbf.substituting(hook):
-            return fn(state, batch)
-
-
-def _runner(model, variables) -> _Runner:
-    fw = lbf.framework(model)
-    if fw == "nnx":
-        from flax import nnx
-
-        if variables is not None:
-            raise TypeError("score: variables= is for Linen modules; an NNX model holds its own")
-        probe = lbf.quantize(model, [(".*", _PROBE)], observe=True)
-        graphdef, state = nnx.split(probe)
-        return _Runner("nnx", graphdef, state)
-    if variables is None:
-        if model.scope is None:
-            raise TypeError(
-                f"score: a Linen module needs its variables: pass {type(model).__name__}(...)"
-                ".bind(variables) or variables=..."
-            )
-        model, variables = model.unbind()
-    return _Runner("linen", None, variables, model)
-
-
-def _scalar(out, where: str = "loss_fn"):
-    """The loss of ``loss_fn``'s output: a scalar, or the first item of a (loss, aux) pair."""
-    if isinstance(out, (tuple, list)) and out:
-        out = out[0]
-    shape = getattr(out, "shape", None)
-    dtype = getattr(out, "dtype", None)
-    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        what = f"shape {shape} {dtype}" if shape is not None else type(out).__name__
-        raise ValueError(
-            f"score: {where} must return a scalar float loss (or a (loss, aux) pair), got {what}"
-        )
-    return out
+def _runner(model, variables) -> Probe:
+    """The probe copy of the model (its sites hold float ops the hooks reach), through the
+    model's adapter (chosen here, once)."""
+    return adapter_for(model).probe(model, variables, _PROBE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,16 +201,16 @@ class _Site:
     params: int
 
 
-def _discover(run: _Runner, loss_fn, batch) -> list[_Site]:
+def _discover(run: Probe, loss_fn, batch) -> list[_Site]:
     """The weight sites ``loss_fn`` reaches, in forward order (traced, not run)."""
     seen: dict[str, _Site] = {}
 
     def hook(site, gemm, lhs, rhs):
         if site not in seen and not site.endswith(_ATTN_SUFFIXES):
             seen[site] = _Site(site, int(math.prod(rhs.shape)))
-        return gemm(lhs, rhs, _NONE)
+        return gemm(lhs, rhs, NONE)
 
-    jax.eval_shape(lambda st, b: _scalar(run(loss_fn, st, b, hook)), run.state, batch)
+    jax.eval_shape(lambda st, b: scalar(run(loss_fn, st, b, hook)), run.state, batch)
     return list(seen.values())
 
 
@@ -274,7 +218,7 @@ def _select(sites: list[_Site], rules) -> list[_Site]:
     if rules is None:
         chosen = [s for s in sites if classify(s.path) not in ("embedding", "head", "router")]
     else:
-        rules = lbf.Rules.of(rules)
+        rules = Rules.of(rules)
         for rule in rules.rules:
             if not any(rule.regex.fullmatch(s.path) for s in sites):
                 raise ValueError(
@@ -375,16 +319,7 @@ def _candidates(candidates) -> list[Recipe]:
     out = [r for r in out if r.name != "none"]
     if not out:
         raise ValueError("score: candidates holds no recipe that quantizes")
-    return [_NONE, *out]
-
-
-def _forward_only(r: Recipe) -> Recipe:
-    """The forward of ``r`` (backward straight-through): what a site outputs under ``r``."""
-    return Recipe(r.name, fwd=r.fwd, description=r.description, source=r.source)
-
-
-def _needs_key(r: Recipe) -> bool:
-    return r.fwd.stochastic or bool(r.fwd.hadamard and r.fwd.random_signs)
+    return [NONE, *out]
 
 
 def path_points(steps: int, rule: str = "midpoint") -> tuple[np.ndarray, np.ndarray]:
@@ -414,243 +349,6 @@ def path_points(steps: int, rule: str = "midpoint") -> tuple[np.ndarray, np.ndar
 
 
 # --------------------------------------------------------------------------------------------
-# The methods' programs
-
-
-def _path_point(gemm, lhs, rhs, lq, rq, gate):
-    """A site's output at ``gate`` on its path, ``y + gate (q - y)`` with ``y`` the float GEMM
-    and ``q = lq @ rq`` the candidate's (``lq``, ``rq``: its forward operands), differentiated
-    as the straight-through path: ``dL/dgate = <g, q - y>`` and one backward GEMM, ``dx = g
-    ((1 - gate) W + gate rq)^T`` (the quantized activation passes the gradient straight
-    through, as the recipes' own backward does), instead of one per branch."""
-
-    @jax.custom_vjp
-    def point(lhs, rhs, lq, rq, gate):
-        y = gemm(lhs, rhs, _NONE)
-        return y + gate.astype(y.dtype) * (gemm(lq, rq, _NONE).astype(y.dtype) - y)
-
-    def fwd(lhs, rhs, lq, rq, gate):
-        y = gemm(lhs, rhs, _NONE)
-        d = gemm(lq, rq, _NONE).astype(y.dtype) - y
-        return y + gate.astype(y.dtype) * d, (lhs, rhs, rq, gate, d)
-
-    def bwd(res, g):
-        lhs, rhs, rq, gate, d = res
-        w = rhs.astype(jnp.float32)
-        w = (w + gate * (rq - w)).astype(rhs.dtype)
-        (dx,) = jax.vjp(lambda x: gemm(x, w, _NONE), lhs)[1](g)
-        dgate = jnp.sum(g.astype(jnp.float32) * d.astype(jnp.float32))
-        return dx, jnp.zeros_like(rhs), jnp.zeros_like(lq), jnp.zeros_like(rq), dgate
-
-    point.defvjp(fwd, bwd)
-    return point(lhs, rhs, lq, rq, gate)
-
-
-class _Program:
-    """The jitted programs of one ``score`` call (sites, candidates and model fixed)."""
-
-    def __init__(self, run: _Runner, loss_fn, output_fn, sites: list[str], recipes):
-        self.run, self.loss_fn, self.output_fn = run, loss_fn, output_fn
-        self.index = {p: i for i, p in enumerate(sites)}
-        self.quant = [_forward_only(r) for r in recipes[1:]]  # the candidates but "none"
-
-    def qgemm(self, j: int, i: int, key, gemm, lhs, rhs):
-        """Site ``i``'s GEMM under candidate ``j`` (1-based)."""
-        r = self.quant[j - 1]
-        k = None
-        if _needs_key(r):
-            k = jax.random.fold_in(jax.random.fold_in(key, i), j)
-        return gemm(lhs, rhs, r, k)
-
-    def _float(self, gemm, lhs, rhs):
-        return gemm(lhs, rhs, _NONE)
-
-    def operands(self, j: int, i: int, key, gemm, lhs, rhs):
-        """Site ``i``'s operands as candidate ``j``'s forward GEMM multiplies them (float32)."""
-        r = self.quant[j - 1]
-        k = jax.random.fold_in(jax.random.fold_in(key, i), j) if _needs_key(r) else None
-        lq, rq = gemm.operands(lhs, rhs, r, k)
-        return lq.astype(jnp.float32), rq.astype(jnp.float32)
-
-    # isolated / kl: one site at one candidate per configuration ------------------------------
-
-    def _selected(self, state, batch, sel, key, fn):
-        def hook(site, gemm, lhs, rhs):
-            i = self.index.get(site)
-            if i is None:
-                return self._float(gemm, lhs, rhs)
-            branches = [lambda lhs, rhs: self._float(gemm, lhs, rhs)] + [
-                functools.partial(self.qgemm, j, i, key, gemm)
-                for j in range(1, len(self.quant) + 1)
-            ]
-            return jax.lax.switch(sel[i], branches, lhs, rhs)
-
-        return self.run(fn, state, batch, hook)
-
-    def loss_at(self, state, batch, key, sel):
-        """The loss of one configuration (``sel[i]``: site ``i``'s candidate, 0 = float)."""
-        return _scalar(self._selected(state, batch, sel, key, self.loss_fn)).astype(jnp.float32)
-
-    def logp_at(self, state, batch, key, sel):
-        """The log-probabilities ``output_fn`` gives under one configuration."""
-        out = self._selected(state, batch, sel, key, self.output_fn)
-        return jax.nn.log_softmax(jnp.asarray(out, jnp.float32), axis=-1)
-
-    @functools.cached_property
-    def losses(self):
-        """(state, batch, sels [n, sites], key) -> loss per configuration [n]."""
-
-        @jax.jit
-        def f(state, batch, sels, key):
-            return jax.lax.map(functools.partial(self.loss_at, state, batch, key), sels)
-
-        return f
-
-    @functools.cached_property
-    def kls(self):
-        """(state, batch, sels [n, sites], key) -> mean KL(float || configuration) [n]."""
-
-        @jax.jit
-        def f(state, batch, sels, key):
-            base = self.logp_at(state, batch, key, jnp.zeros_like(sels[0]))
-
-            def kl(sel):
-                lq = self.logp_at(state, batch, key, sel)
-                return jnp.mean(jnp.sum(jnp.exp(base) * (base - lq), axis=-1))
-
-            return jax.lax.map(kl, sels)
-
-        return f
-
-    # gradient: ModelOpt's score from one forward and backward -------------------------------
-
-    @functools.cached_property
-    def gradient(self):
-        """(state, batch, key) -> sum((dL/dy * (Q_j(y) - y))^2) [sites, candidates - 1]."""
-        prog = self
-
-        def tap(i, key, gemm, lhs, rhs, sink):
-            @jax.custom_vjp
-            def f(lhs, sink):
-                return prog._float(gemm, lhs, rhs)
-
-            def fwd(lhs, sink):
-                y, pull = jax.vjp(lambda x: prog._float(gemm, x, rhs), lhs)
-                return y, (lhs, y, pull)
-
-            def bwd(res, g):
-                lhs, y, pull = res
-                (dx,) = pull(g)
-                g32, y32 = g.astype(jnp.float32), y.astype(jnp.float32)
-                s = [
-                    jnp.sum(
-                        jnp.square(
-                            g32 * (prog.qgemm(j, i, key, gemm, lhs, rhs).astype(jnp.float32) - y32)
-                        )
-                    )
-                    for j in range(1, len(prog.quant) + 1)
-                ]
-                return dx, jnp.stack(s).astype(sink.dtype)
-
-            f.defvjp(fwd, bwd)
-            return f(lhs, sink)
-
-        @jax.jit
-        def f(state, batch, key):
-            def loss(sink):
-                def hook(site, gemm, lhs, rhs):
-                    i = self.index.get(site)
-                    if i is None:
-                        return self._float(gemm, lhs, rhs)
-                    return tap(i, key, gemm, lhs, rhs, sink[i])
-
-                return _scalar(self.run(self.loss_fn, state, batch, hook)).astype(jnp.float32)
-
-            sink = jnp.zeros((len(self.index), len(self.quant)), jnp.float32)
-            return jax.grad(loss)(sink)
-
-        return f
-
-    # shapley: credits along the joint path -------------------------------------------------
-
-    @functools.cached_property
-    def weights(self):
-        """(state, batch, key, j) -> candidate ``j``'s quantized weight operand (``rq``) at
-        every site, as its forward GEMM multiplies it: the path points take them as inputs, so
-        that a weight is quantized once per call (once per batch for a candidate that draws
-        random numbers) instead of once per point. The model's forward is traced for the
-        sites' GEMMs only; XLA drops the rest."""
-
-        @functools.partial(jax.jit, static_argnums=3)
-        def f(state, batch, key, j):
-            out = [None] * len(self.index)
-
-            def hook(site, gemm, lhs, rhs):
-                i = self.index.get(site)
-                if i is not None:
-                    out[i] = self.operands(j, i, key, gemm, lhs, rhs)[1]
-                return self._float(gemm, lhs, rhs)
-
-            self.run(self.loss_fn, state, batch, hook)
-            return out
-
-        return f
-
-    def lhs_operand(self, j: int, i: int, key, gemm, lhs, rhs):
-        """Site ``i``'s activation operand under candidate ``j`` (its weight's is unused)."""
-        return self.operands(j, i, key, gemm, lhs, rhs)[0]
-
-    @functools.cached_property
-    def path(self):
-        """(state, batch, key, t, j, rqs) -> dL/dgate [sites] at the path point where every
-        site outputs ``y + t (Q_j(y) - y)`` (one program for every point and candidate);
-        ``rqs``: :attr:`weights` of candidate ``j``."""
-
-        @jax.jit
-        def credits(state, batch, key, t, j, rqs):
-            def loss(gates):
-                def hook(site, gemm, lhs, rhs):
-                    i = self.index.get(site)
-                    if i is None:
-                        return self._float(gemm, lhs, rhs)
-                    branches = [
-                        functools.partial(self.lhs_operand, jj, i, key, gemm)
-                        for jj in range(1, len(self.quant) + 1)
-                    ]
-                    # values only: the path's gradient is _path_point's own rule
-                    lq = jax.lax.switch(j - 1, branches, *jax.lax.stop_gradient((lhs, rhs)))
-                    rq = jax.lax.stop_gradient(rqs[i]).astype(jnp.float32)
-                    return _path_point(gemm, lhs, rhs, lq, rq, gates[i])
-
-                return _scalar(self.run(self.loss_fn, state, batch, hook)).astype(jnp.float32)
-
-            return jax.grad(loss)(jnp.full((len(self.index),), t, jnp.float32))
-
-        return credits
-
-
-# Compiled programs of recent calls, so that scoring the same model again (more batches, another
-# budget study, a benchmark) does not trace and compile again: (model structure, loss_fn,
-# output_fn, sites, candidates) -> _Program.
-_PROGRAMS: dict[tuple, _Program] = {}
-_PROGRAMS_KEPT = 8
-
-
-def _program(run: _Runner, loss_fn, output_fn, paths, recipes) -> _Program:
-    structure = run.graphdef if run.fw == "nnx" else run.module
-    key = (run.fw, structure, loss_fn, output_fn, tuple(paths), tuple(recipes))
-    try:
-        hash(key)
-    except TypeError:  # an unhashable model structure or function: no reuse
-        return _Program(run, loss_fn, output_fn, paths, recipes)
-    if key not in _PROGRAMS:
-        while len(_PROGRAMS) >= _PROGRAMS_KEPT:
-            _PROGRAMS.pop(next(iter(_PROGRAMS)))
-        _PROGRAMS[key] = _Program(run, loss_fn, output_fn, paths, recipes)
-    return _PROGRAMS[key]
-
-
-# --------------------------------------------------------------------------------------------
 # score
 
 
@@ -672,12 +370,12 @@ def _prepare(model, loss_fn, batch, candidates, method, rules, output_fn, variab
     reached = _discover(run, loss_fn, batch)
     if method == "kl":
         jax.eval_shape(
-            lambda st, b: run(output_fn, st, b, lambda s, g, lhs, rhs: g(lhs, rhs, _NONE)),
+            lambda st, b: run(output_fn, st, b, lambda s, g, lhs, rhs: g(lhs, rhs, NONE)),
             run.state,
             batch,
         )
     chosen = _select(reached, rules)
-    prog = _program(run, loss_fn, output_fn, [s.path for s in chosen], recipes)
+    prog = program(run, loss_fn, output_fn, [s.path for s in chosen], recipes)
     return run, chosen, recipes, prog
 
 
@@ -724,20 +422,10 @@ def scoring_flops(
     )
     n_s, n_c = len(chosen), len(recipes)
     key = jax.random.key(0)
-    if run.fw == "nnx":
-        from flax import nnx
+    loss, params = run.adapter.float_loss(model, run, loss_fn)
 
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-        def float_loss(params, batch):
-            return _scalar(loss_fn(nnx.merge(graphdef, params, rest), batch))
-
-    else:
-        variables = run.state
-        params = variables["params"]
-
-        def float_loss(params, batch):
-            return _scalar(loss_fn({**variables, "params": params}, batch))
+    def float_loss(params, batch):
+        return scalar(loss(params, batch))
 
     f = _flops(jax.jit(jax.grad(float_loss)), params, batch)
     sel = jnp.zeros((n_s,), jnp.int32)
@@ -822,12 +510,36 @@ def score(
     )
     paths = [s.path for s in chosen]
     n_s, n_c = len(paths), len(recipes)
+    damage, losses, n = _damage(method, prog, run, _chain(first, it), seed, ts, ws, n_s, n_c)
+    if method in ("isolated", "kl", "shapley"):
+        damage /= n
+    members = _groups(chosen, groups)
+    g_damage, g_cost, g_params = _grouped(damage, chosen, members, recipes)
+    return Scores(
+        sites=tuple(members),
+        candidates=tuple(r.name for r in recipes),
+        damage=g_damage,
+        cost=g_cost,
+        method=method,
+        params=g_params,
+        members=members,
+        recipes={r.name: r for r in recipes},
+        batches=n,
+        steps=steps if method == "shapley" else None,
+        loss=float(np.mean(losses)) if losses else None,
+        rule=rule if method == "shapley" else None,
+    )
+
+
+def _damage(method, prog, run, batches, seed, ts, ws, n_s, n_c):
+    """Each site's damage at each candidate summed over ``batches`` (with the float losses of
+    ``"isolated"`` and the number of batches)."""
     base = jax.random.key(seed)
     damage = np.zeros((n_s, n_c))
     losses = []
-    rqs: dict[int, list] = {}  # shapley: each candidate's quantized weights (see _Program.weights)
+    rqs: dict[int, list] = {}  # shapley: each candidate's quantized weights (see Program.weights)
     n = 0
-    for b, batch in enumerate(_chain(first, it)):
+    for b, batch in enumerate(batches):
         key = jax.random.fold_in(base, b)
         if method in ("isolated", "kl"):
             sels = np.zeros((1 + n_s * (n_c - 1), n_s), np.int32)
@@ -845,17 +557,20 @@ def score(
             damage[:, 1:] += np.asarray(prog.gradient(run.state, batch, key), np.float64)
         else:
             for j in range(1, n_c):  # the quadrature of candidate j's path integral
-                if j not in rqs or _needs_key(prog.quant[j - 1]):
+                if j not in rqs or needs_key(prog.quant[j - 1]):
                     rqs[j] = prog.weights(run.state, batch, key, j)
                 for t, w in zip(ts, ws, strict=True):
                     g = prog.path(run.state, batch, key, t, np.int32(j), rqs[j])
                     damage[:, j] += np.asarray(g, np.float64) * w
         n += 1
-    if method in ("isolated", "kl", "shapley"):
-        damage /= n
-    members = _groups(chosen, groups)
+    return damage, losses, n
+
+
+def _grouped(damage, chosen, members, recipes):
+    """Damage, cost (weight bits) and parameters per group: the sums over its sites."""
+    n_c = len(recipes)
     params_of = {s.path: s.params for s in chosen}
-    row = {p: i for i, p in enumerate(paths)}
+    row = {s.path: i for i, s in enumerate(chosen)}
     g_damage = np.zeros((len(members), n_c))
     g_cost = np.zeros((len(members), n_c))
     g_params = {}
@@ -864,20 +579,7 @@ def score(
             g_damage[gi] += damage[row[p]]
             g_cost[gi] += [weight_bits(r, params_of[p]) for r in recipes]
         g_params[name] = sum(params_of[p] for p in ps)
-    return Scores(
-        sites=tuple(members),
-        candidates=tuple(r.name for r in recipes),
-        damage=g_damage,
-        cost=g_cost,
-        method=method,
-        params=g_params,
-        members=members,
-        recipes={r.name: r for r in recipes},
-        batches=n,
-        steps=steps if method == "shapley" else None,
-        loss=float(np.mean(losses)) if losses else None,
-        rule=rule if method == "shapley" else None,
-    )
+    return g_damage, g_cost, g_params
 
 
 def _chain(first, rest):

@@ -1,4 +1,5 @@
-"""The bit-budget solver: an exact multiple-choice knapsack, and the :class:`Plan` it yields.
+"""The bit-budget solver: an exact multiple-choice knapsack, and the :class:`PrecisionPlan` it
+yields.
 
 Choosing one candidate per site so that the summed damage is least while the summed cost stays
 within a budget is the multiple-choice knapsack problem. :func:`knapsack` solves it exactly:
@@ -25,7 +26,8 @@ import numpy as np
 from lowbit import recipes as _recipes
 from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 
-__all__ = ["knapsack", "solve", "Plan", "MAX_GRID", "recipe_to_json", "recipe_from_json"]
+__all__ = ["knapsack", "solve", "PrecisionPlan", "Plan", "MAX_GRID", "recipe_to_json",
+           "recipe_from_json"]
 
 # Largest number of cost-grid states the dynamic program visits (rows x choices x states);
 # beyond it the exact integer program takes over.
@@ -218,7 +220,7 @@ def _registered(recipe: Recipe) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class PrecisionPlan:
     """A recipe per site (or group of sites) chosen under a bit budget by :func:`solve`.
 
     Attributes:
@@ -274,7 +276,7 @@ class Plan:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> Plan:
+    def from_json(cls, d: dict) -> PrecisionPlan:
         try:
             recipes = {
                 k: (_recipes.get(v) if isinstance(v, str) else recipe_from_json(v))
@@ -283,12 +285,12 @@ class Plan:
             choices = dict(d["choices"])
             members = {k: tuple(v) for k, v in d["members"].items()}
         except (KeyError, TypeError) as e:
-            raise ValueError(f"Plan.from_json: not a saved plan ({e!r})") from None
+            raise ValueError(f"PrecisionPlan.from_json: not a saved plan ({e!r})") from None
         missing = sorted(set(choices.values()) - set(recipes))
         if missing or set(members) != set(choices):
             raise ValueError(
-                f"Plan.from_json: inconsistent plan (recipes missing: {missing}; members and "
-                "choices must name the same sites)"
+                f"PrecisionPlan.from_json: inconsistent plan (recipes missing: {missing}; "
+                "members and choices must name the same sites)"
             )
         return cls(
             choices=choices,
@@ -310,18 +312,23 @@ class Plan:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Plan:
+    def load(cls, path: str | os.PathLike) -> PrecisionPlan:
         path = pathlib.Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"Plan.load: no plan file at {str(path)!r}")
+            raise FileNotFoundError(f"PrecisionPlan.load: no plan file at {str(path)!r}")
         try:
             d = json.loads(path.read_text())
         except json.JSONDecodeError as e:
-            raise ValueError(f"Plan.load: {str(path)!r} is not JSON ({e})") from None
+            raise ValueError(f"PrecisionPlan.load: {str(path)!r} is not JSON ({e})") from None
         return cls.from_json(d)
 
 
-def solve(scores: Any, bits: float = 4.5) -> Plan:
+Plan = PrecisionPlan
+"""The former name of :class:`PrecisionPlan` (``lowbit.qarray.Plan`` is the blocking plan of a
+quantized tensor), kept for the experiments that load plans by it."""
+
+
+def solve(scores: Any, bits: float = 4.5) -> PrecisionPlan:
     """The plan of least predicted damage whose weights take at most ``bits`` bits per
     parameter on average over the scored sites (scales included; float counts 16).
 
@@ -358,7 +365,7 @@ def solve(scores: Any, bits: float = 4.5) -> Plan:
     rows = np.arange(len(scores.sites))
     choices = {s: scores.candidates[int(j)] for s, j in zip(scores.sites, pick, strict=True)}
     used = set(choices.values())
-    return Plan(
+    return PrecisionPlan(
         choices=choices,
         members={s: tuple(scores.members.get(s, (s,))) for s in scores.sites},
         recipes={n: scores.recipe(n) for n in scores.candidates if n in used},

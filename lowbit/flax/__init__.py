@@ -18,6 +18,10 @@ Keys: stochastic rounding and random Hadamard signs draw from an rng stream name
 (Linen: ``apply(..., rngs={"quant": key})``; NNX: ``quantize(model, rules,
 rngs=nnx.Rngs(quant=seed))``). Recipes that need no key need no stream.
 
+NNX and Linen differ in how sites are found, ops swapped and parameters held: one adapter per
+API (:mod:`lowbit.flax.adapters`), picked once where a model enters, answers those questions
+for the whole library (this package, :mod:`lowbit.ptq`, :mod:`lowbit.autoquant`).
+
 Implementations: ``quantize(..., implementation="xla" | "pallas" | None)`` reaches every
 :func:`lowbit.dot_general` / :func:`lowbit.einsum` call of the quantized sites (the op modules
 hold it as a static attribute); :func:`describe` shows it per site.
@@ -35,7 +39,7 @@ hold it as a static attribute); :func:`describe` shows it per site.
 
 from __future__ import annotations
 
-from lowbit.flax import checkpoint, linen, nnx
+from lowbit.flax import adapters, linen, nnx
 from lowbit.flax._core import (
     ATTN_SCORES,
     ATTN_VALUES,
@@ -44,19 +48,14 @@ from lowbit.flax._core import (
     Rules,
     Site,
     SiteGemm,
-    framework,
-    is_qarray,
-    keypath_str,
     observing,
-    pack_weight,
-    path_str,
-    serving_recipe,
     substituting,
-    weight_spec,
 )
-from lowbit.flax.checkpoint import CheckpointError, restore, save
-from lowbit.flax.packing import Row, describe, pack, packed_nbytes, sites, unpack
-from lowbit.implementation import IMPLEMENTATIONS, validate
+from lowbit.flax.api import describe, pack, quantize, sites
+from lowbit.flax.packing import Row, packed_nbytes, unpack
+from lowbit.implementation import IMPLEMENTATIONS
+from lowbit.io import CheckpointError, checkpoint, restore, save
+from lowbit.io.tree import keypath_str, path_str  # noqa: F401  (experiments.pareto names them)
 
 __all__ = [
     "quantize",
@@ -67,6 +66,8 @@ __all__ = [
     "save",
     "restore",
     "packed_nbytes",
+    "observing",
+    "substituting",
     "Rules",
     "Rule",
     "Site",
@@ -77,75 +78,8 @@ __all__ = [
     "ATTN_SCORES",
     "ATTN_VALUES",
     "IMPLEMENTATIONS",
-    "framework",
-    "observing",
-    "substituting",
-    "weight_spec",
-    "serving_recipe",
-    "pack_weight",
-    "path_str",
-    "keypath_str",
-    "is_qarray",
+    "adapters",
     "linen",
     "nnx",
     "checkpoint",
 ]
-
-
-def quantize(
-    model,
-    rules,
-    *,
-    rngs=None,
-    packed: bool = False,
-    method: str = "__call__",
-    implementation: str | None = None,
-    observe: bool = False,
-):
-    """Apply ``rules`` to a Linen module or an NNX model whose code knows nothing of lowbit.
-
-    Args:
-      model: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
-      rules: ``[(path_regex, recipe), ...]``; recipe: a name (``lb.recipes.names()``) or a
-        :class:`lowbit.Recipe`. See the module docstring for paths and matching.
-      rngs: NNX only: an ``nnx.Rngs`` with a ``"quant"`` stream, needed when a matched recipe
-        needs keys. (Linen modules draw from ``apply(..., rngs={"quant": key})``.)
-      packed: serve packed weights (:func:`pack`): weights enter their GEMMs as packed,
-        without being quantized again. Linen: the returned module's ``apply`` takes the packed
-        params directly. NNX: use :class:`lowbit.flax.nnx.PackedModel` instead.
-      method: Linen only: the method ``__call__`` of the returned module runs.
-      implementation: what every quantized GEMM runs, passed on to each
-        :func:`lowbit.dot_general` / :func:`lowbit.einsum` call: ``"xla"`` (the emulation,
-        the reference), ``"pallas"`` (the Pallas kernels when lowered for CUDA, the emulation
-        elsewhere) or None (the best available for the backend).
-      observe: the sites the rules quantize compute in float instead, with ops that know
-        their site path, so that :func:`observing` and :func:`substituting` hooks reach them
-        (calibration, sensitivity scores); the recipes themselves are not applied.
-
-    Returns:
-      Linen: a :class:`lowbit.flax.linen.Quantized` module with the same parameter tree
-      (``init`` / ``apply`` as usual). NNX: a new model (``nnx.clone``) whose matched modules
-      hold quantized ops; ``model`` itself is unchanged.
-
-    >>> import jax, jax.numpy as jnp, flax.linen as nn, lowbit.flax as lbf
-    >>> model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(8)])
-    >>> x = jnp.ones((4, 32))
-    >>> variables = jax.jit(model.init)(jax.random.key(0), x)
-    >>> qmodel = lbf.quantize(model, [(r"layers_0", "nvfp4")])
-    >>> jax.jit(qmodel.apply)(variables, x, rngs={"quant": jax.random.key(1)}).shape
-    (4, 8)
-    """
-    fw = framework(model)
-    validate(implementation)
-    if fw == "nnx":
-        return nnx.quantize(
-            model, rules, rngs=rngs, packed=packed, implementation=implementation, observe=observe
-        )
-    if rngs is not None:
-        raise TypeError(
-            "rngs= is for NNX models; a Linen module takes its keys from "
-            "apply(..., rngs={'quant': key})"
-        )
-    return linen.quantize(
-        model, rules, packed=packed, method=method, implementation=implementation, observe=observe
-    )

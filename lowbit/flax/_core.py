@@ -20,35 +20,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 import lowbit as lb
 from lowbit import recipes as _recipes
 from lowbit.dot_general import einsum_operands, forward_operands
+from lowbit.implementation import Implementation
 from lowbit.recipes import GemmSpec, QuantSpec, Recipe
 
 ATTN_SCORES = "attn_scores"
 ATTN_VALUES = "attn_values"
 QUANT_STREAM = "quant"
-
-
-# --------------------------------------------------------------------------------------------
-# Frameworks
-
-
-def framework(model) -> str:
-    """``"nnx"`` or ``"linen"``: which Flax API ``model`` is a module of."""
-    import flax.linen as nn
-    from flax import nnx
-
-    if isinstance(model, nnx.Module):
-        return "nnx"
-    if isinstance(model, nn.Module):
-        return "linen"
-    raise TypeError(
-        f"expected a flax.linen Module or a flax.nnx Module, got {type(model).__name__}"
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,11 +118,6 @@ class Rules:
         """Like :meth:`match`, but None also for the identity recipe (``"none"``)."""
         r = self.match(path)
         return None if r is None or r.is_identity else r
-
-
-def path_str(path: Iterable[Any]) -> str:
-    """``("block", 0, "mlp")`` -> ``"block/0/mlp"``."""
-    return "/".join(str(p) for p in path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,6 +274,33 @@ def lowrank_branch(lhs, a, b, out_dtype):
     return jnp.matmul(t, jnp.asarray(b, jnp.float32), precision=hi).astype(out_dtype)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class SiteTransform:
+    """The post-training state of a dense site (``lowbit.ptq``), which the site's op applies
+    around its GEMM: ``smooth``, a ``[K]`` vector the activation is divided by first
+    (SmoothQuant; the weight holds ``diag(smooth) @ W``), and ``lowrank = (a [K, r],
+    b [r, N])``, a high-precision branch ``(x / smooth) @ a @ b`` added to the output
+    (SVDQuant). Each framework's adapter holds the arrays as parameters of the site (NNX:
+    ``nnx.Param`` s of the op; Linen: ``params`` leaves next to the kernel) and hands the op
+    this object when it runs."""
+
+    smooth: Any = None
+    lowrank: tuple[Any, Any] | None = None
+
+    def check(self, dimension_numbers, lhs_ndim: int, rhs_ndim: int, where: str) -> None:
+        check_dense(dimension_numbers, lhs_ndim, rhs_ndim, where)
+
+    def lhs(self, lhs):
+        """The activation as the GEMM sees it."""
+        return lhs if self.smooth is None else smooth_lhs(lhs, self.smooth)
+
+    def output(self, y, lhs):
+        """The site's output: the GEMM's ``y`` plus the branch on the GEMM's ``lhs``."""
+        if self.lowrank is None:
+            return y
+        return y + lowrank_branch(lhs, self.lowrank[0], self.lowrank[1], y.dtype)
+
+
 def qdot_general(
     lhs,
     rhs,
@@ -306,23 +310,23 @@ def qdot_general(
     precision=None,
     preferred_element_type=None,
     out_sharding=None,
-    implementation: str | None = None,
+    implementation: Implementation | None = None,
     *,
     site: str | None = None,
-    smooth=None,
-    lowrank=None,
+    packed: bool = False,
+    transform: SiteTransform | None = None,
 ):
     """:func:`lowbit.dot_general` with Flax's keyword arguments (``out_sharding``) and the
-    ``implementation`` of its GEMMs.
+    ``implementation`` of its GEMMs (resolved where the op was built).
 
-    Post-training state of a dense site (``lowbit.ptq``): ``smooth``, a ``[K]`` vector the
-    activation is divided by first (SmoothQuant; the weight holds ``diag(smooth) @ W``), and
-    ``lowrank = (a [K, r], b [r, N])``, a high-precision branch ``(x / smooth) @ a @ b`` added
-    to the output (SVDQuant). ``site``: the site's path, for :func:`observing`."""
-    if smooth is not None or lowrank is not None:
-        check_dense(dimension_numbers, lhs.ndim, rhs.ndim, f"site {site!r}")
-    if smooth is not None:
-        lhs = smooth_lhs(lhs, smooth)
+    ``packed``: the weight enters pre-quantized (a packed model's dequantized QArray) and
+    ``recipe`` is its serving form (:func:`serving_recipe`): an identity serving recipe runs
+    the emulated GEMM on both operands as they are. ``transform``: the site's post-training
+    state (:class:`SiteTransform`), applied around the GEMM. ``site``: the site's path, for
+    :func:`observing` and :func:`substituting`."""
+    if transform is not None:
+        transform.check(dimension_numbers, lhs.ndim, rhs.ndim, f"site {site!r}")
+        lhs = transform.lhs(lhs)
     _observe(site, lhs, dimension_numbers[0][0])
 
     def run(lhs, rhs, recipe, key=None):
@@ -335,6 +339,7 @@ def qdot_general(
             precision,
             preferred_element_type,
             implementation,
+            packed,
         )
 
     def operands(lhs, rhs, recipe, key=None):
@@ -342,17 +347,18 @@ def qdot_general(
 
     gemm = SiteGemm(run, operands)
     y = _substitute(site, gemm, lhs, rhs, recipe, key)
-    if lowrank is not None:
-        y = y + lowrank_branch(lhs, lowrank[0], lowrank[1], y.dtype)
+    if transform is not None:
+        y = transform.output(y, lhs)
     if out_sharding is not None:
         y = jax.lax.with_sharding_constraint(y, out_sharding)
     return y
 
 
 def _qdot_general(
-    lhs, rhs, dimension_numbers, recipe, key, precision, preferred_element_type, implementation
+    lhs, rhs, dimension_numbers, recipe, key, precision, preferred_element_type, implementation,
+    packed=False,
 ):
-    if recipe.name.endswith(SERVING_SUFFIX) and recipe.is_identity:
+    if packed and recipe.is_identity:
         # A pre-quantized weight and a float activation: the GEMM lowbit would run.
         out = jnp.dtype(
             preferred_element_type
@@ -417,7 +423,7 @@ def qeinsum(
     precision=None,
     preferred_element_type=None,
     out_sharding=None,
-    implementation: str | None = None,
+    implementation: Implementation | None = None,
     *,
     site: str | None = None,
     **unused,
@@ -504,10 +510,7 @@ class Site:
     shape: tuple[int, ...] | None = None
     dtype: Any = None
     layout: Layout | None = None
-    implementation: str | None = None  # what its GEMMs run (None: the backend's best)
-
-
-SERVING_SUFFIX = "@packed"
+    implementation: Implementation | None = None  # what its GEMMs run (None: unquantized)
 
 
 def weight_spec(recipe: Recipe, where: str = "") -> QuantSpec | None:
@@ -545,10 +548,12 @@ def weight_spec(recipe: Recipe, where: str = "") -> QuantSpec | None:
 
 def serving_recipe(recipe: Recipe) -> Recipe:
     """The forward of ``recipe`` for a weight that :func:`pack` already quantized: the
-    activation is quantized as in ``recipe``, the weight enters as it is (no backward)."""
+    activation is quantized as in ``recipe``, the weight enters as it is (no backward). It
+    keeps ``recipe``'s name: serving is a property of the site (its op's ``packed``), not of
+    the recipe's name."""
     weight_spec(recipe)
     return Recipe(
-        recipe.name + SERVING_SUFFIX,
+        recipe.name,
         fwd=GemmSpec(recipe.fwd.lhs, None, random_signs=recipe.fwd.random_signs),
         description=f"forward of {recipe.name!r} on a pre-quantized (packed) weight",
         source=recipe.source,
@@ -566,30 +571,3 @@ def _pack_weight(w, spec: QuantSpec, axis: int, other_axis: int | None) -> lb.QA
     from lowbit.operand import quantize_operand
 
     return quantize_operand(w, spec, axis, other_axis, None, packed=True)
-
-
-def is_qarray(x) -> bool:
-    return isinstance(x, lb.QArray)
-
-
-def keypath_str(keypath) -> tuple[str, ...]:
-    """A jax key path as plain names (NNX Variables' ``.value`` dropped)."""
-    out = []
-    for k in keypath:
-        if isinstance(k, jax.tree_util.DictKey):
-            out.append(str(k.key))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            out.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            if k.name not in ("value", "raw_value", "_raw_value"):
-                out.append(k.name)
-        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-            out.append(str(k.key))
-        else:  # pragma: no cover - other key kinds
-            out.append(str(k))
-    return tuple(out)
-
-
-def bits_of(x) -> float:
-    """Storage bits per element of a float leaf."""
-    return 8.0 * np.dtype(x.dtype).itemsize

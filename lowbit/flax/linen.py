@@ -32,7 +32,9 @@ from flax.linen import module as _module
 from lowbit import recipes as _recipes
 from lowbit.flax import _core
 from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Recipe, Rules
-from lowbit.implementation import validate
+from lowbit.flax.packing import unpack
+from lowbit.implementation import Implementation, resolve
+from lowbit.io.tree import is_qarray, path_str
 
 __all__ = ["DotGeneral", "Einsum", "Quantized", "intercept", "quantize", "sites"]
 
@@ -62,7 +64,7 @@ def _key(recipe: Recipe):
             "call it inside a module's method, or use lowbit.dot_general(..., key=...)",
         )
     if not m.scope.has_rng(_core.QUANT_STREAM) and not m.is_initializing():
-        where = f"module {_core.path_str(m.path) or type(m).__name__!r}"
+        where = f"module {path_str(m.path) or type(m).__name__!r}"
         raise _core.missing_stream_error(
             recipe,
             where,
@@ -85,13 +87,13 @@ class DotGeneral:
 
     recipe: Recipe | str
     site: str | None = None  # the site's path, for the layout recorder and calibration hooks
-    implementation: str | None = None  # passed on to lowbit.dot_general
-    smooth: Any = None  # post-training state of a dense site (lowbit.ptq): see _core
-    lowrank: Any = None
+    implementation: Implementation | str | None = None  # resolved; passed to lb.dot_general
+    packed: bool = False  # the weight enters pre-quantized (a packed module's site)
+    transform: _core.SiteTransform | None = None  # post-training state of a dense site
 
     def __post_init__(self):
         object.__setattr__(self, "recipe", _recipes.get(self.recipe))
-        validate(self.implementation)
+        object.__setattr__(self, "implementation", resolve(self.implementation))
 
     def __call__(
         self,
@@ -116,8 +118,8 @@ class DotGeneral:
             out_sharding=out_sharding,
             implementation=self.implementation,
             site=self.site,
-            smooth=self.smooth,
-            lowrank=self.lowrank,
+            packed=self.packed,
+            transform=self.transform,
         )
 
 
@@ -140,11 +142,11 @@ class Einsum:
 
     recipe: Recipe | str
     site: str | None = None
-    implementation: str | None = None  # passed on to lowbit.einsum
+    implementation: Implementation | str | None = None  # resolved; passed to lowbit.einsum
 
     def __post_init__(self):
         object.__setattr__(self, "recipe", _recipes.get(self.recipe))
-        validate(self.implementation)
+        object.__setattr__(self, "implementation", resolve(self.implementation))
 
     def __call__(self, subscripts, lhs, rhs, precision=None, preferred_element_type=None, **kwargs):
         rec = _RECORDER.get()
@@ -222,14 +224,16 @@ SMOOTH_PARAM = "lowbit_smooth"
 LOWRANK_PARAMS = ("lowbit_lowrank_a", "lowbit_lowrank_b")
 
 
-def _site_state(m: nn.Module) -> dict[str, Any]:
-    """``smooth`` / ``lowrank`` of a site from its module's params (empty when absent)."""
-    out: dict[str, Any] = {}
+def _site_transform(m: nn.Module) -> _core.SiteTransform | None:
+    """The post-training state of a site, read from its module's params (None: none)."""
+    smooth = lowrank = None
     if m.has_variable("params", SMOOTH_PARAM):
-        out["smooth"] = m.get_variable("params", SMOOTH_PARAM)
+        smooth = m.get_variable("params", SMOOTH_PARAM)
     if m.has_variable("params", LOWRANK_PARAMS[0]):
-        out["lowrank"] = tuple(m.get_variable("params", n) for n in LOWRANK_PARAMS)
-    return out
+        lowrank = tuple(m.get_variable("params", n) for n in LOWRANK_PARAMS)
+    if smooth is None and lowrank is None:
+        return None
+    return _core.SiteTransform(smooth, lowrank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +241,7 @@ class _Interceptor:
     rules: Rules
     packed: bool
     root: tuple[str, ...] = ()
-    implementation: str | None = None
+    implementation: Implementation | None = None
     observe: bool = False  # calibration: the rules' sites compute in float and are observed
 
     def recipe(self, path: str, weight: bool = True) -> Recipe | None:
@@ -262,7 +266,7 @@ class _Interceptor:
         mpath = tuple(m.path)
         if mpath[: len(self.root)] != self.root:
             return next_fun(*args, **kwargs)
-        path = _core.path_str(mpath[len(self.root) :])
+        path = path_str(mpath[len(self.root) :])
         fields = _fields(m)
         rec = _RECORDER.get()
         if rec is not None:
@@ -277,7 +281,8 @@ class _Interceptor:
             r = self.recipe(path)
             if r is None:
                 return next_fun(*args, **kwargs)
-            op = DotGeneral(r, site=path, implementation=self.implementation, **_site_state(m))
+            op = DotGeneral(r, site=path, implementation=self.implementation,
+                            packed=self.packed and not self.observe, transform=_site_transform(m))
             values: dict[str, Any] = {"dot_general": op}
             if "dot_general_cls" in fields:
                 values["dot_general_cls"] = None
@@ -334,7 +339,7 @@ def intercept(
     >>> bool(jnp.all(y == model.apply(v, x)))
     False
     """
-    impl = validate(implementation)
+    impl = resolve(implementation)
     interceptor = _Interceptor(Rules.of(rules), packed, tuple(root), impl, observe)
     with nn.intercept_methods(interceptor):
         yield
@@ -358,11 +363,11 @@ class Quantized(nn.Module):
     rules: Rules
     packed: bool = False
     method: str = "__call__"
-    implementation: str | None = None
+    implementation: Implementation | str | None = None  # resolved when the module is built
     observe: bool = False  # lowbit.ptq.calibrate: float GEMMs whose activations are observed
 
     def __post_init__(self):
-        validate(self.implementation)
+        object.__setattr__(self, "implementation", resolve(self.implementation))
         super().__post_init__()
 
     def setup(self):
@@ -379,24 +384,18 @@ class Quantized(nn.Module):
         with nn.intercept_methods(interceptor):
             if not self.packed:
                 return run(self, *args, **kwargs)
-            unpack = _unpack if self.is_initializing() else _unpack_checked
-            f = nn.map_variables(run, "params", trans_in_fn=unpack, init=self.is_initializing())
+            unpack_ = unpack if self.is_initializing() else _unpack_checked
+            f = nn.map_variables(run, "params", trans_in_fn=unpack_, init=self.is_initializing())
             return f(self, *args, **kwargs)
 
 
-def _unpack(tree):
-    from lowbit.flax.packing import unpack
-
-    return unpack(tree)
-
-
 def _unpack_checked(tree):
-    if not any(_core.is_qarray(x) for x in jax.tree.leaves(tree, is_leaf=_core.is_qarray)):
+    if not any(is_qarray(x) for x in jax.tree.leaves(tree, is_leaf=is_qarray)):
         raise ValueError(
             "a packed=True module got params without any QArray: pack them first with "
             "lowbit.flax.pack(params, rules) (float weights would enter unquantized)"
         )
-    return _unpack(tree)
+    return unpack(tree)
 
 
 def quantize(
@@ -405,13 +404,13 @@ def quantize(
     *,
     packed: bool = False,
     method: str = "__call__",
-    implementation: str | None = None,
+    implementation: Implementation | str | None = None,
     observe: bool = False,
 ) -> Quantized:
     """See :func:`lowbit.flax.quantize`."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a flax.linen Module, got {type(module).__name__}")
-    impl = validate(implementation)
+    impl = resolve(implementation)
     if module.scope is not None:
         module = module.clone(parent=None)
     return Quantized(
@@ -429,7 +428,7 @@ def sites(
     rules,
     *args,
     method: str = "__call__",
-    implementation: str | None = None,
+    implementation: Implementation | str | None = None,
     **kwargs,
 ) -> tuple[list[_core.Site], Any]:
     """Trace ``module`` on example inputs (shapes only: ``jax.eval_shape``) and return its
@@ -437,7 +436,7 @@ def sites(
     recipe None, when they are Dense / DenseGeneral / Einsum / attention modules;
     ``implementation`` is recorded on those a rule quantizes."""
     rules = Rules.of(rules)
-    validate(implementation)
+    implementation = resolve(implementation)
     if not args and not kwargs:
         raise TypeError(
             "a Linen module creates its submodules when called: pass example inputs "

@@ -25,7 +25,9 @@ from flax.nnx.nn import dtypes as _dtypes
 from lowbit import recipes as _recipes
 from lowbit.flax import _core
 from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Recipe, Rules
-from lowbit.implementation import validate
+from lowbit.flax.packing import layouts_of, pack_params, unpack
+from lowbit.implementation import Implementation, resolve
+from lowbit.io.tree import path_str
 
 __all__ = ["DotGeneral", "Einsum", "Attention", "PackedModel", "quantize", "sites"]
 
@@ -78,14 +80,16 @@ class DotGeneral(nnx.Module):
         recipe: Recipe | str,
         *,
         rngs: nnx.Rngs | None = None,
-        implementation: str | None = None,
+        implementation: str | Implementation | None = None,
         site: str | None = None,
+        packed: bool = False,
         smooth=None,
         lowrank=None,
     ):
         self.recipe = _recipes.get(recipe)
-        self.implementation = validate(implementation)
+        self.implementation = resolve(implementation)
         self.site = site
+        self.packed = packed  # the weight enters pre-quantized (a PackedModel's site)
         self.stream = nnx.data(_stream(rngs, (self.recipe,), f"DotGeneral({self.recipe.name!r})"))
         self.smooth = nnx.Param(jnp.asarray(smooth, jnp.float32)) if smooth is not None else None
         if lowrank is not None:
@@ -93,6 +97,16 @@ class DotGeneral(nnx.Module):
             self.lowrank_a, self.lowrank_b = nnx.Param(jnp.asarray(a)), nnx.Param(jnp.asarray(b))
         else:
             self.lowrank_a = self.lowrank_b = None
+
+    def transform(self) -> _core.SiteTransform | None:
+        """The site's post-training state as the op applies it (None: none)."""
+        if self.smooth is None and self.lowrank_a is None:
+            return None
+        lowrank = None
+        if self.lowrank_a is not None:
+            lowrank = (self.lowrank_a.get_value(), self.lowrank_b.get_value())
+        smooth = self.smooth.get_value() if self.smooth is not None else None
+        return _core.SiteTransform(smooth, lowrank)
 
     def __call__(
         self,
@@ -103,9 +117,6 @@ class DotGeneral(nnx.Module):
         preferred_element_type=None,
         out_sharding=None,
     ):
-        lowrank = None
-        if self.lowrank_a is not None:
-            lowrank = (self.lowrank_a.get_value(), self.lowrank_b.get_value())
         return _core.qdot_general(
             lhs,
             rhs,
@@ -117,8 +128,8 @@ class DotGeneral(nnx.Module):
             out_sharding=out_sharding,
             implementation=self.implementation,
             site=self.site,
-            smooth=self.smooth.get_value() if self.smooth is not None else None,
-            lowrank=lowrank,
+            packed=self.packed,
+            transform=self.transform(),
         )
 
 
@@ -138,11 +149,11 @@ class Einsum(nnx.Module):
         recipe: Recipe | str,
         *,
         rngs: nnx.Rngs | None = None,
-        implementation: str | None = None,
+        implementation: str | Implementation | None = None,
         site: str | None = None,
     ):
         self.recipe = _recipes.get(recipe)
-        self.implementation = validate(implementation)
+        self.implementation = resolve(implementation)
         self.site = site
         self.stream = nnx.data(_stream(rngs, (self.recipe,), f"Einsum({self.recipe.name!r})"))
 
@@ -184,11 +195,11 @@ class Attention(nnx.Module):
         values: Recipe | str | None = None,
         *,
         rngs: nnx.Rngs | None = None,
-        implementation: str | None = None,
+        implementation: str | Implementation | None = None,
     ):
         self.scores = _recipes.get(scores)
         self.values = _recipes.get(values)
-        self.implementation = validate(implementation)
+        self.implementation = resolve(implementation)
         where = f"Attention({self.scores.name!r}, {self.values.name!r})"
         self.stream = nnx.data(_stream(rngs, (self.scores, self.values), where))
 
@@ -243,6 +254,14 @@ class Attention(nnx.Module):
 _OURS = (DotGeneral, Einsum, Attention)
 
 
+def pack(model: nnx.Module, rules, site_list=None) -> nnx.State:
+    """:func:`lowbit.flax.pack` of an NNX model: its ``nnx.Param`` state, weights packed;
+    ``site_list``: its sites or ``{kernel path: Layout}`` (default: read from the model)."""
+    rules = Rules.of(rules)
+    site_list = site_list if site_list is not None else sites(model, rules)
+    return pack_params(nnx.state(model, nnx.Param), rules, layouts_of(site_list))
+
+
 # --------------------------------------------------------------------------------------------
 # Sites and rules
 
@@ -268,11 +287,13 @@ def _layout(m, kernel_shape) -> _core.Layout | None:
     return None
 
 
-def sites(model: nnx.Module, rules, *, implementation: str | None = None) -> list[_core.Site]:
+def sites(
+    model: nnx.Module, rules, *, implementation: Implementation | str | None = None
+) -> list[_core.Site]:
     """The quantizable sites of an NNX model (no tracing: read from the module graph);
-    ``implementation`` is recorded on the sites that a rule quantizes."""
+    ``implementation`` (resolved) is recorded on the sites that a rule quantizes."""
     rules = Rules.of(rules)
-    validate(implementation)
+    implementation = resolve(implementation)
 
     def site(path, kind, name, *rest):
         impl = implementation if rules.active(path) is not None else None
@@ -282,7 +303,7 @@ def sites(model: nnx.Module, rules, *, implementation: str | None = None) -> lis
     for path, m in nnx.iter_modules(model):
         if isinstance(m, _OURS):
             continue
-        p = _core.path_str(path)
+        p = path_str(path)
         name = type(m).__name__
         kernel = _kernel(m)
         kpath = (f"{p}/kernel" if p else "kernel") if kernel is not None else None
@@ -307,7 +328,7 @@ def quantize(
     *,
     rngs: nnx.Rngs | None = None,
     packed: bool = False,
-    implementation: str | None = None,
+    implementation: Implementation | str | None = None,
     observe: bool = False,
 ) -> nnx.Module:
     """See :func:`lowbit.flax.quantize`. Returns a new model (``nnx.clone``: new Variables
@@ -317,13 +338,13 @@ def quantize(
     ``packed=True`` builds the serving structure :class:`PackedModel` uses: its weights must
     then be ``unpack(pack(...))``; with float weights they would enter unquantized."""
     rules = Rules.of(rules)
-    impl = validate(implementation)
+    impl = resolve(implementation)
     new = nnx.clone(model)
     plan: list[tuple[Any, str, Any]] = []
     for path, m in nnx.iter_modules(new):
         if isinstance(m, _OURS):
             continue
-        p = _core.path_str(path)
+        p = path_str(path)
         where = f"module {p!r} ({type(m).__name__})"
         if hasattr(m, "einsum_op") or hasattr(m, "dot_general"):
             r = rules.active(p)
@@ -341,7 +362,8 @@ def quantize(
             if hasattr(m, "einsum_op"):
                 plan.append((m, "einsum_op", Einsum(r, rngs=rs_, implementation=impl, site=p)))
             else:
-                op = DotGeneral(r, rngs=rs_, implementation=impl, site=p)
+                op = DotGeneral(r, rngs=rs_, implementation=impl, site=p,
+                                packed=packed and not observe)
                 plan.append((m, "dot_general", op))
                 if getattr(m, "dot_general_cls", None) is not None:
                     plan.append((m, "dot_general_cls", None))
@@ -402,11 +424,9 @@ class PackedModel(nnx.Module):
         *,
         method: str = "__call__",
         rngs: nnx.Rngs | None = None,
-        implementation: str | None = None,
+        implementation: Implementation | str | None = None,
     ):
-        from lowbit.flax.packing import pack
-
-        validate(implementation)
+        impl = resolve(implementation)
         if rules is None:  # ``model`` is the serving structure itself (lowbit.ptq builds it)
             if packed is None:
                 raise TypeError("PackedModel(serving_model, None, packed): packed is required")
@@ -415,7 +435,7 @@ class PackedModel(nnx.Module):
             rules = Rules.of(rules)
             if packed is None:
                 packed = pack(model, rules)
-            serving = quantize(model, rules, rngs=rngs, packed=True, implementation=implementation)
+            serving = quantize(model, rules, rngs=rngs, packed=True, implementation=impl)
         graphdef, _, rest = nnx.split(serving, nnx.Param, ...)
         self.graphdef = graphdef
         self.method = method
@@ -424,20 +444,9 @@ class PackedModel(nnx.Module):
 
     def model(self) -> nnx.Module:
         """The serving model with its weights dequantized (call inside a jitted function)."""
-        from lowbit.flax.packing import unpack
-
         return nnx.merge(self.graphdef, unpack(self.params), self.rest)
 
     def __call__(self, *args, **kwargs):
         # merge() reuses the Variables of ``rest`` (rng streams): their updates persist
         return getattr(self.model(), self.method)(*args, **kwargs)
 
-
-def param_state(model_or_state) -> Any:
-    if isinstance(model_or_state, nnx.Module):
-        return nnx.state(model_or_state, nnx.Param)
-    return model_or_state
-
-
-def is_module(x) -> bool:
-    return isinstance(x, nnx.Module)

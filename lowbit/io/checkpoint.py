@@ -17,7 +17,6 @@ unexpected keys, shapes, dtypes, formats) and every array against its SHA-256, a
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import pathlib
@@ -30,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import lowbit as lb
-from lowbit.flax import _core
+from lowbit.io import tree as trees
+from lowbit.qarray import QArray
 
 MANIFEST = "lowbit.json"
 ARRAYS = "arrays"
@@ -41,68 +40,6 @@ _QFIELDS = ("codes", "scales", "tensor_scale")
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, corrupted, or does not match what it is restored into."""
-
-
-# --------------------------------------------------------------------------------------------
-# Flattening: (tree path, leaf) with QArrays as leaves
-
-
-def _key_entry(k) -> list:
-    if isinstance(k, jax.tree_util.DictKey):
-        return ["i", k.key] if isinstance(k.key, int) else ["s", str(k.key)]
-    if isinstance(k, jax.tree_util.SequenceKey):
-        return ["i", k.idx]
-    if isinstance(k, jax.tree_util.GetAttrKey):
-        return ["a", k.name]
-    return ["s", str(k)]
-
-
-def _flatten(tree) -> tuple[list[tuple[list, Any]], Any]:
-    """(path entries, leaf) pairs and the treedef; NNX Variables' ``.value`` dropped."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_core.is_qarray)
-    out = []
-    for keypath, leaf in flat:
-        entries = [_key_entry(k) for k in keypath]
-        entries = [e for e in entries if e != ["a", "value"]]
-        out.append((entries, leaf))
-    return out, treedef
-
-
-def _name(entries: list) -> str:
-    return "/".join(str(v) for _, v in entries)
-
-
-def _is_array(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
-
-
-def _sha256(a) -> str:
-    a = np.ascontiguousarray(np.asarray(jax.device_get(a)))
-    return hashlib.sha256(a.view(np.uint8).reshape(-1).tobytes()).hexdigest()
-
-
-def _is_key(x) -> bool:
-    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _dtype_name(x) -> str:
-    """dtype name; typed PRNG keys (NNX rng streams) as ``key<impl>``."""
-    if _is_key(x):
-        return (
-            f"key<{jax.random.key_impl(x)}>"
-            if not isinstance(x, jax.ShapeDtypeStruct)
-            else str(x.dtype)
-        )
-    return np.dtype(x.dtype).name
-
-
-def _describe_leaf(x) -> str:
-    if _core.is_qarray(x):
-        return (
-            f"QArray({x.format_name}, shape={list(x.shape)}, axes={list(x.axes)}, "
-            f"block_shape={list(x.block_shape)})"
-        )
-    return f"{_dtype_name(x)}{list(np.shape(x))}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,71 +68,13 @@ def save(path: str | os.PathLike, tree: Any) -> pathlib.Path:
                 f"refusing to replace {path}: it exists and is not a lowbit checkpoint "
                 f"(no {MANIFEST})"
             )
-    try:
-        from flax import nnx
-
-        if isinstance(tree, nnx.Module):
-            raise TypeError("save the model's state: lowbit.flax.save(path, nnx.state(model))")
-    except ImportError:  # pragma: no cover
-        pass
-    flat, _ = _flatten(tree)
+    if any(c.__module__.startswith("flax.nnx") and c.__name__ == "Module"
+           for c in type(tree).__mro__):  # an NNX model (flax itself is not imported here)
+        raise TypeError("save the model's state: lowbit.flax.save(path, nnx.state(model))")
+    flat, _ = trees.flatten(tree)
     leaves, arrays = [], {}
     for i, (entries, leaf) in enumerate(flat):
-        name = _name(entries)
-        rec: dict[str, Any] = {"path": entries}
-        if _core.is_qarray(leaf):
-            rec.update(
-                kind="qarray",
-                format=leaf.format_name,
-                shape=list(leaf.shape),
-                dtype=np.dtype(leaf.dtype).name,
-                axes=list(leaf.axes),
-                block_shape=list(leaf.block_shape),
-                fields={},
-            )
-            for f in _QFIELDS:
-                a = getattr(leaf, f)
-                if a is None:
-                    continue
-                key = f"a{i:05d}_{f}"
-                if np.size(a) == 0:  # ternary's block scales: orbax stores no empty arrays,
-                    key = None  # the manifest's shape and dtype rebuild it
-                else:
-                    arrays[key] = a
-                rec["fields"][f] = {
-                    "key": key,
-                    "shape": list(np.shape(a)),
-                    "dtype": np.dtype(a.dtype).name,
-                    "sha256": _sha256(a),
-                }
-        elif _is_array(leaf) and not isinstance(leaf, jax.ShapeDtypeStruct) and _is_key(leaf):
-            # typed PRNG keys (NNX rng streams): stored as their key data
-            key = f"a{i:05d}"
-            data = jax.random.key_data(leaf)
-            arrays[key] = data
-            rec.update(
-                kind="key",
-                key=key,
-                impl=str(jax.random.key_impl(leaf)),
-                shape=list(np.shape(leaf)),
-                dtype=_dtype_name(leaf),
-                data_shape=list(np.shape(data)),
-                data_dtype=np.dtype(data.dtype).name,
-                sha256=_sha256(data),
-            )
-        elif _is_array(leaf) and not isinstance(leaf, jax.ShapeDtypeStruct):
-            key = f"a{i:05d}"
-            arrays[key] = leaf
-            rec.update(
-                kind="array",
-                key=key,
-                shape=list(np.shape(leaf)),
-                dtype=np.dtype(leaf.dtype).name,
-                sha256=_sha256(leaf),
-            )
-        else:
-            raise TypeError(f"save: leaf {name!r} is a {type(leaf).__name__}, not an array")
-        leaves.append(rec)
+        leaves.append(_leaf_record(i, entries, leaf, arrays))
     manifest = {"format": "lowbit-flax-checkpoint", "version": VERSION, "leaves": leaves}
 
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -227,6 +106,66 @@ def save(path: str | os.PathLike, tree: Any) -> pathlib.Path:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def _leaf_record(i: int, entries: list, leaf, arrays: dict) -> dict:
+    """The manifest record of leaf ``i``; its arrays go into ``arrays`` (orbax key -> array)."""
+    name = trees.name(entries)
+    rec: dict[str, Any] = {"path": entries}
+    if trees.is_qarray(leaf):
+        rec.update(
+            kind="qarray",
+            format=leaf.format_name,
+            shape=list(leaf.shape),
+            dtype=np.dtype(leaf.dtype).name,
+            axes=list(leaf.axes),
+            block_shape=list(leaf.block_shape),
+            fields={},
+        )
+        for f in _QFIELDS:
+            a = getattr(leaf, f)
+            if a is None:
+                continue
+            key = f"a{i:05d}_{f}"
+            if np.size(a) == 0:  # ternary's block scales: orbax stores no empty arrays,
+                key = None  # the manifest's shape and dtype rebuild it
+            else:
+                arrays[key] = a
+            rec["fields"][f] = {
+                "key": key,
+                "shape": list(np.shape(a)),
+                "dtype": np.dtype(a.dtype).name,
+                "sha256": trees.sha256(a),
+            }
+    elif (trees.is_array(leaf) and not isinstance(leaf, jax.ShapeDtypeStruct)
+          and trees.is_key(leaf)):
+        # typed PRNG keys (NNX rng streams): stored as their key data
+        key = f"a{i:05d}"
+        data = jax.random.key_data(leaf)
+        arrays[key] = data
+        rec.update(
+            kind="key",
+            key=key,
+            impl=str(jax.random.key_impl(leaf)),
+            shape=list(np.shape(leaf)),
+            dtype=trees.dtype_name(leaf),
+            data_shape=list(np.shape(data)),
+            data_dtype=np.dtype(data.dtype).name,
+            sha256=trees.sha256(data),
+        )
+    elif trees.is_array(leaf) and not isinstance(leaf, jax.ShapeDtypeStruct):
+        key = f"a{i:05d}"
+        arrays[key] = leaf
+        rec.update(
+            kind="array",
+            key=key,
+            shape=list(np.shape(leaf)),
+            dtype=np.dtype(leaf.dtype).name,
+            sha256=trees.sha256(leaf),
+        )
+    else:
+        raise TypeError(f"save: leaf {name!r} is a {type(leaf).__name__}, not an array")
+    return rec
 
 
 @contextlib.contextmanager
@@ -272,7 +211,7 @@ def _rec_describe(rec: dict) -> str:
 
 
 def _target_matches(rec: dict, leaf) -> bool:
-    if _core.is_qarray(leaf):
+    if trees.is_qarray(leaf):
         return (
             rec["kind"] == "qarray"
             and rec["format"] == leaf.format_name
@@ -281,7 +220,7 @@ def _target_matches(rec: dict, leaf) -> bool:
             and tuple(rec["block_shape"]) == tuple(leaf.block_shape)
             and rec["dtype"] == np.dtype(leaf.dtype).name
         )
-    if _is_key(leaf):
+    if trees.is_key(leaf):
         return rec["kind"] == "key" and tuple(rec["shape"]) == tuple(np.shape(leaf))
     return (
         rec["kind"] == "array"
@@ -326,52 +265,11 @@ def restore(path: str | os.PathLike, target: Any = None, *, verify: bool = True)
     path = pathlib.Path(path).absolute()
     manifest = _read_manifest(path)
     recs = manifest["leaves"]
-    by_name = {_name(r["path"]): r for r in recs}
-    target_leaves = None
+    by_name = {trees.name(r["path"]): r for r in recs}
+    target_leaves, treedef, names = None, None, None
     if target is not None:
-        flat, treedef = _flatten(target)
-        names = [_name(e) for e, _ in flat]
-        missing = [n for n in names if n not in by_name]
-        unexpected = [n for n in by_name if n not in set(names)]
-        mismatched = [
-            f"{n!r}: checkpoint has {_rec_describe(by_name[n])}, target expects "
-            f"{_describe_leaf(leaf)}"
-            for n, (_, leaf) in zip(names, flat, strict=True)
-            if n in by_name and not _target_matches(by_name[n], leaf)
-        ]
-        if missing or unexpected or mismatched:
-            parts = []
-            if missing:
-                parts.append(f"missing from the checkpoint: {missing}")
-            if unexpected:
-                parts.append(f"in the checkpoint but not in the target: {unexpected}")
-            if mismatched:
-                parts.append("shape/dtype/format mismatch: " + "; ".join(mismatched))
-            raise CheckpointError(
-                f"checkpoint {path} does not match the target: " + " | ".join(parts)
-            )
-        target_leaves = {n: leaf for n, (_, leaf) in zip(names, flat, strict=True)}
-
-    abstract = {}
-    for r in recs:
-        name = _name(r["path"])
-        tleaf = target_leaves.get(name) if target_leaves is not None else None
-        if r["kind"] == "array":
-            abstract[r["key"]] = jax.ShapeDtypeStruct(
-                tuple(r["shape"]), jnp.dtype(r["dtype"]), sharding=_leaf_sharding(tleaf)
-            )
-        elif r["kind"] == "key":
-            abstract[r["key"]] = jax.ShapeDtypeStruct(
-                tuple(r["data_shape"]), jnp.dtype(r["data_dtype"])
-            )
-        else:
-            for f, fr in r["fields"].items():
-                if fr["key"] is None:  # an empty field, not stored
-                    continue
-                sub = getattr(tleaf, f, None) if tleaf is not None else None
-                abstract[fr["key"]] = jax.ShapeDtypeStruct(
-                    tuple(fr["shape"]), jnp.dtype(fr["dtype"]), sharding=_leaf_sharding(sub)
-                )
+        target_leaves, treedef, names = _check_target(path, by_name, target)
+    abstract = _abstract_arrays(recs, target_leaves)
     try:
         with _quiet(), ocp.StandardCheckpointer() as ckptr:
             arrays = ckptr.restore(path / ARRAYS, abstract)
@@ -391,7 +289,7 @@ def restore(path: str | os.PathLike, target: Any = None, *, verify: bool = True)
             or np.dtype(a.dtype).name != fr["dtype"]
         ):
             raise CheckpointError(f"checkpoint {path}: {what} could not be read back intact")
-        if verify and _sha256(a) != fr["sha256"]:
+        if verify and trees.sha256(a) != fr["sha256"]:
             raise CheckpointError(
                 f"checkpoint {path}: {what} is corrupted (SHA-256 differs from the one "
                 "recorded at save time)"
@@ -400,7 +298,7 @@ def restore(path: str | os.PathLike, target: Any = None, *, verify: bool = True)
 
     built = {}
     for r in recs:
-        name = _name(r["path"])
+        name = trees.name(r["path"])
         if r["kind"] == "array":
             built[name] = check(r["key"], r, f"array {name!r}")
         elif r["kind"] == "key":
@@ -409,7 +307,7 @@ def restore(path: str | os.PathLike, target: Any = None, *, verify: bool = True)
             built[name] = jax.random.wrap_key_data(data, impl=r["impl"])
         else:
             f = {k: check(fr["key"], fr, f"QArray {name!r} ({k})") for k, fr in r["fields"].items()}
-            built[name] = lb.QArray(
+            built[name] = QArray(
                 codes=f["codes"],
                 scales=f["scales"],
                 tensor_scale=f.get("tensor_scale"),
@@ -428,10 +326,64 @@ def restore(path: str | os.PathLike, target: Any = None, *, verify: bool = True)
         for k in keys[:-1]:
             node = node.setdefault(k, {})
         if keys:
-            node[keys[-1]] = built[_name(r["path"])]
+            node[keys[-1]] = built[trees.name(r["path"])]
         else:
-            return built[_name(r["path"])]
+            return built[trees.name(r["path"])]
     return out
+
+
+def _check_target(path, by_name: dict, target):
+    """(leaves by name, treedef, names) of ``target``; a CheckpointError naming what does
+    not match the checkpoint's records."""
+    flat, treedef = trees.flatten(target)
+    names = [trees.name(e) for e, _ in flat]
+    missing = [n for n in names if n not in by_name]
+    unexpected = [n for n in by_name if n not in set(names)]
+    mismatched = [
+        f"{n!r}: checkpoint has {_rec_describe(by_name[n])}, target expects "
+        f"{trees.describe_leaf(leaf)}"
+        for n, (_, leaf) in zip(names, flat, strict=True)
+        if n in by_name and not _target_matches(by_name[n], leaf)
+    ]
+    if missing or unexpected or mismatched:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {missing}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in the target: {unexpected}")
+        if mismatched:
+            parts.append("shape/dtype/format mismatch: " + "; ".join(mismatched))
+        raise CheckpointError(
+            f"checkpoint {path} does not match the target: " + " | ".join(parts)
+        )
+    target_leaves = {n: leaf for n, (_, leaf) in zip(names, flat, strict=True)}
+
+    return target_leaves, treedef, names
+
+
+def _abstract_arrays(recs: list, target_leaves: dict | None) -> dict:
+    """What orbax restores: each stored array's shape, dtype and (the target's) sharding."""
+    abstract = {}
+    for r in recs:
+        name = trees.name(r["path"])
+        tleaf = target_leaves.get(name) if target_leaves is not None else None
+        if r["kind"] == "array":
+            abstract[r["key"]] = jax.ShapeDtypeStruct(
+                tuple(r["shape"]), jnp.dtype(r["dtype"]), sharding=_leaf_sharding(tleaf)
+            )
+        elif r["kind"] == "key":
+            abstract[r["key"]] = jax.ShapeDtypeStruct(
+                tuple(r["data_shape"]), jnp.dtype(r["data_dtype"])
+            )
+        else:
+            for f, fr in r["fields"].items():
+                if fr["key"] is None:  # an empty field, not stored
+                    continue
+                sub = getattr(tleaf, f, None) if tleaf is not None else None
+                abstract[fr["key"]] = jax.ShapeDtypeStruct(
+                    tuple(fr["shape"]), jnp.dtype(fr["dtype"]), sharding=_leaf_sharding(sub)
+                )
+    return abstract
 
 
 def _leaf_sharding(x):

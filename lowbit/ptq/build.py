@@ -1,0 +1,211 @@
+"""The post-training-quantized models: packed (quantize), fake-quantized (simulate), their bits."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit import calibrate as _cal
+from lowbit.bits import leaf_nbytes
+from lowbit.flax._core import Layout, Rules, pack_weight, serving_recipe, weight_spec
+from lowbit.flax.adapters import adapter_for
+from lowbit.implementation import resolve
+from lowbit.io.tree import is_qarray, keypath_str
+from lowbit.ptq.calibration import Calibration, site_rules, with_amax
+from lowbit.ptq.sites import (
+    WEIGHT_METHODS,
+    as_model,
+    check_packable,
+    kernel_value,
+    model_sites,
+    quantized_sites,
+)
+from lowbit.ptq.transforms import Smoothing, edits, site_kernel
+from lowbit.qarray import QArray
+
+
+def prepare(model, rules, calibration, smoothing, weights, example, where):
+    if weights not in WEIGHT_METHODS:
+        raise ValueError(f"{where}: unknown weights={weights!r}; valid: {WEIGHT_METHODS}")
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise TypeError(f"{where}: calibration must be a Calibration, got {type(calibration)}")
+    if smoothing is not None and not isinstance(smoothing, Smoothing):
+        raise TypeError(f"{where}: smoothing must be a Smoothing, got {type(smoothing)}")
+    m = as_model(model)
+    rules = Rules.of(rules)
+    if m.adapter.needs_example() and example is None:
+        raise TypeError(
+            f"{where}: a Linen model needs example= (inputs to trace its sites with, e.g. one "
+            "calibration batch)"
+        )
+    sites = quantized_sites(model_sites(m, rules, example), rules)
+    for s in sites:
+        check_packable(s, rules.active(s.path))
+    if calibration is not None:
+        have = {s.path: s for s in sites}
+        extra = sorted(set(calibration.amax) - set(have))
+        missing = sorted(set(have) - set(calibration.amax))
+        if extra or missing:
+            of = f" ({calibration.model})" if calibration.model else ""
+            raise ValueError(
+                f"{where}: the calibration does not match this model and rules: sites "
+                f"{missing} are not calibrated, calibrated sites {extra} are not in the model "
+                f"(a calibration of another model{of}?)"
+            )
+        for p, s in have.items():
+            shape = calibration.weights.get(p)
+            if shape is not None and tuple(shape) != tuple(s.shape):
+                raise ValueError(
+                    f"{where}: site {p!r} has a weight of shape {tuple(s.shape)}, the calibration "
+                    f"was made with {tuple(shape)} (a calibration of another model?)"
+                )
+    if smoothing is not None:
+        smoothing.check(sites, rules)
+    return m, rules, sites
+
+
+def _packed_weight(w, spec, layout: Layout, weights: str) -> QArray:
+    if weights == "max":
+        return pack_weight(w, spec, layout)
+    two_d = spec.block_shape is not None and len(spec.block_shape) == 2
+    axis = (layout.axis, layout.other_axis) if two_d else layout.axis
+    return _cal.block_scales(w, spec.format, "mse", axis=axis, block_shape=spec.block_shape)
+
+
+def _weights(m, sites, rules, smoothing, weights) -> dict[str, Any]:
+    """site path -> the packed weight (QArray) of the transformed model; a weight-only
+    recipe that keeps the weight in float too (then the float weight)."""
+    out = {}
+    for site in sites:
+        spec = weight_spec(rules.active(site.path), site.path)
+        w = kernel_value(m, site)
+        folded = site_kernel(w, site.path, smoothing, jnp.float32)
+        w = jnp.asarray(w) if folded is None else folded
+        out[site.path] = w if spec is None else _packed_weight(w, spec, site.layout, weights)
+    return out
+
+
+def quantize(
+    model,
+    rules,
+    calibration: Calibration | None = None,
+    *,
+    weights: str = "max",
+    smoothing: Smoothing | None = None,
+    implementation: str | None = None,
+    example=None,
+):
+    """The post-training-quantized model: packed weights, static activation scales.
+
+    Each site ``rules`` quantize gets its weight quantized once, as its recipe's forward
+    quantizes it (the format, blocks along the contraction axis, 2-D tiles), into a
+    :class:`lowbit.QArray` (``weights="max"``: the standard scales; ``"mse"``: per-block
+    scale search, :func:`lowbit.calibrate.block_scales`), and its activation quantized in
+    every call with the calibrated static amax (``calibration``; None: dynamic scales, a
+    direct cast). ``smoothing`` (:func:`smooth` / :func:`svdquant`): smoothed sites hold the
+    folded weight ``diag(s) W - L1 L2`` (packed), the vector ``s`` and the branch as
+    parameters. Sites no rule quantizes stay as they are.
+
+    Returns, for an NNX model, a :class:`lowbit.flax.nnx.PackedModel` (call it like the
+    model; ``nnx.state`` of it saves with :func:`lowbit.flax.save`); for a bound Linen module,
+    the serving module bound to its packed variables (``module, variables = out.unbind()``;
+    ``example=`` is then needed to trace the sites).
+
+    Raises ``ValueError`` for a calibration or smoothing of another model (sites or shapes
+    that do not match), an unknown ``weights`` method, or a recipe that cannot be packed.
+    """
+    m, rules, sites = prepare(model, rules, calibration, smoothing, weights, example,
+                              "quantize")
+    packed_w = _weights(m, sites, rules, smoothing, weights)
+    serving = _rebuild(m, sites, rules, calibration, smoothing, "serve", implementation)
+    return m.adapter.served(serving, sites, packed_w)
+
+
+def _recipe_of(rules: Rules, calibration, mode: str):
+    """site path -> the recipe its op runs: the rule's with the site's calibrated amax,
+    in its serving form (``mode="serve"``: the weight enters pre-quantized)."""
+
+    def recipe(path):
+        amax = calibration.amax.get(path) if calibration is not None else None
+        r = with_amax(rules.active(path), amax)
+        return serving_recipe(r) if mode == "serve" else r
+
+    return recipe
+
+
+def _rebuild(m, sites, rules, calibration, smoothing, mode, implementation, kernels=None):
+    """The transformed model (its adapter's :class:`~lowbit.flax.adapters.Bound`): the
+    sites hold lowbit ops with their static amaxes and transforms, fake-quantizing
+    (``mode="simulate"``) or serving (``"serve"``)."""
+    return m.adapter.rebuild(
+        m.bound,
+        edits(m, sites, smoothing, _recipe_of(rules, calibration, mode), kernels),
+        Rules.of(site_rules(rules, calibration)),
+        packed=(mode == "serve"),
+        observe=False,
+        implementation=resolve(implementation),
+    )
+
+
+def simulate(
+    model,
+    rules,
+    calibration: Calibration | None = None,
+    *,
+    weights: str = "max",
+    smoothing: Smoothing | None = None,
+    implementation: str | None = None,
+    example=None,
+):
+    """The fake-quantized counterpart of :func:`quantize`: float (folded) weights quantized in
+    every call by the sites' recipes with the calibrated static amaxes. Its outputs equal the
+    packed model's bit for bit. With ``weights="mse"`` the weights it holds are the searched
+    QArrays dequantized, entering their GEMMs as they are (a standard-scale requantization
+    would undo the search). Returns an NNX model, or a bound Linen module."""
+    m, rules, sites = prepare(model, rules, calibration, smoothing, weights, example,
+                              "simulate")
+    kernels = None
+    if weights == "mse":
+        kernels = m.adapter.simulated_weights(_weights(m, sites, rules, smoothing, weights))
+    mode = "serve" if weights == "mse" else "simulate"
+    return m.adapter.finish(
+        _rebuild(m, sites, rules, calibration, smoothing, mode, implementation, kernels)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Bits
+
+
+def bits_per_param(packed) -> dict[str, float]:
+    """Storage of a :func:`quantize`'d model, in bits per parameter.
+
+    Returns ``{"weights": ..., "model": ...}``: ``"weights"`` over the quantized sites'
+    weights (QArray codes and scales, plus any smoothing vectors and low-rank branches,
+    divided by the number of weight elements), ``"model"`` over every parameter (other
+    leaves in their dtype's bits), divided by the float model's parameter count."""
+    adapter = adapter_for(packed)
+    tree = adapter.packed_params(packed)
+    q_bits = q_n = extra = total_bits = total_n = 0.0
+    for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_qarray)[0]:
+        names = keypath_str(keypath)
+        bits = 8.0 * leaf_nbytes(leaf)  # what the leaf holds: measured, not a spec's count
+        if is_qarray(leaf):
+            n = math.prod(leaf.shape)
+            q_bits, q_n = q_bits + bits, q_n + n
+        else:
+            n = math.prod(np.shape(leaf))
+            last = names[-1] if names else ""
+            if last in adapter.transform_params:
+                extra += bits
+                total_bits += bits
+                continue
+        total_bits, total_n = total_bits + bits, total_n + n
+    return {
+        "weights": (q_bits + extra) / q_n if q_n else float("nan"),
+        "model": total_bits / total_n if total_n else float("nan"),
+    }

@@ -1,0 +1,108 @@
+"""Smoothing scales and low-rank branches, and what they change at a site (an Edit the
+model's adapter applies): the transform its op applies and the folded weight it holds."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from lowbit.flax._core import Layout, Rules, Site, SiteTransform
+from lowbit.flax.adapters import Edit
+from lowbit.ptq.sites import Model, kernel_leaf
+from lowbit.recipes import Recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class Smoothing:
+    """Per-site smoothing scales and (SVDQuant) low-rank branches of dense sites.
+
+    Attributes:
+      scales: site path -> float32 ``[K]``: the activation is divided by ``s``, the weight's
+        input channel ``j`` multiplied by ``s_j`` (``x W = (x / s) (diag(s) W)``).
+      alpha: site path -> the exponent ``a`` of ``s_j = max|X_j|^a / max|W_j|^(1 - a)``
+        (None: the scales were given).
+      lowrank: site path -> ``(L1 [K, r], L2 [r, N])`` (their dtype is what is stored), the
+        high-precision branch; the quantized weight is the residual
+        ``diag(s) W - L1 @ L2``.
+      errors: site path -> the relative output error ``|y_q - y|^2 / |y|^2`` on the
+        calibration rows with the chosen scales (and branch).
+    """
+
+    scales: dict[str, np.ndarray]
+    alpha: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    lowrank: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    errors: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return max((a.shape[1] for a, _ in self.lowrank.values()), default=0)
+
+    def check(self, sites: list[Site], rules: Rules) -> None:
+        """Every smoothed site must be a dense quantized site with a matching ``[K]``."""
+        by_path = {s.path: s for s in sites}
+        for path, s in self.scales.items():
+            site = by_path.get(path)
+            if site is None:
+                raise ValueError(
+                    f"smoothing site {path!r} is not a quantized site of this model under these "
+                    f"rules (its sites: {sorted(by_path)})"
+                )
+            dense = site.layout == Layout(0, 1) and len(site.shape) == 2
+            if site.kind != "dot_general" or not dense:
+                raise ValueError(
+                    f"smoothing site {path!r} ({site.module}): smoothing needs a dense [K, N] "
+                    f"weight (Linear / Dense), got kind {site.kind!r}, shape {site.shape}"
+                )
+            if np.shape(s) != (site.shape[0],):
+                raise ValueError(
+                    f"smoothing site {path!r}: scales of shape {np.shape(s)}, expected "
+                    f"({site.shape[0]},) (the weight {site.shape} of another model?)"
+                )
+            if path in self.lowrank:
+                a, b = self.lowrank[path]
+                if a.shape[0] != site.shape[0] or b.shape[1] != site.shape[1]:
+                    raise ValueError(
+                        f"smoothing site {path!r}: low-rank factors {a.shape} x {b.shape} do not "
+                        f"fit the weight {site.shape}"
+                    )
+
+
+def site_kernel(w: np.ndarray, path: str, smoothing: Smoothing | None, dtype) -> Any:
+    """The weight a site holds: ``diag(s) W - L1 L2`` (as float32 math), in ``dtype``."""
+    if smoothing is None or path not in smoothing.scales:
+        return None
+    ws = np.asarray(smoothing.scales[path], np.float32)[:, None] * np.asarray(w, np.float32)
+    if path in smoothing.lowrank:
+        a, b = smoothing.lowrank[path]
+        ws = ws - np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+    return jnp.asarray(ws, dtype)
+
+
+def site_transform(path: str, smoothing: Smoothing | None) -> SiteTransform | None:
+    """The transform a smoothed site's op applies (None: the site is not smoothed)."""
+    if smoothing is None or path not in smoothing.scales:
+        return None
+    lowrank = None
+    if path in smoothing.lowrank:
+        lowrank = tuple(jnp.asarray(v) for v in smoothing.lowrank[path])
+    return SiteTransform(jnp.asarray(smoothing.scales[path], jnp.float32), lowrank)
+
+
+def edits(m: Model, sites: list[Site], smoothing: Smoothing | None,
+          recipe_of: Callable[[str], Recipe], kernels: dict[str, Any] | None = None) -> list[Edit]:
+    """What a transformed model changes at each site: the recipe ``recipe_of(path)``, the
+    smoothing transform, and the weight: ``kernels[path]`` when given, else the folded
+    ``diag(s) W - L1 L2`` of a smoothed site, else its own."""
+    out = []
+    for site in sites:
+        t = site_transform(site.path, smoothing)
+        w = kernels.get(site.path) if kernels is not None else None
+        if w is None and t is not None:
+            k = kernel_leaf(m, site)
+            w = site_kernel(k, site.path, smoothing, jnp.asarray(k).dtype)
+        out.append(Edit(site, recipe_of(site.path), t, w))
+    return out
