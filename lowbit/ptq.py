@@ -62,10 +62,10 @@ import numpy as np
 
 import lowbit.flax as lbf
 from lowbit import calibrate as _cal
-from lowbit import recipes as _recipes
-from lowbit.operand import quantize_operand
-from lowbit.qarray import QArray, dequantize
-from lowbit.recipes import QuantSpec, Recipe
+from lowbit.core.qarray import QArray, dequantize
+from lowbit.gemm import recipes as _recipes
+from lowbit.gemm.operand import quantize_operand
+from lowbit.gemm.recipes import QuantSpec, Recipe
 
 __all__ = [
     "Calibration",

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 
 import lowbit.flax as lbf
-from lowbit import recipes as _recipes
+from lowbit.gemm import recipes as _recipes
 
 __all__ = ["PRESETS", "ROLES", "classify", "heuristic", "weight_sites"]
 

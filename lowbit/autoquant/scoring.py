@@ -49,11 +49,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit.flax as lbf
-from lowbit import formats as _formats
-from lowbit import recipes as _recipes
 from lowbit.autoquant.heuristic import classify
 from lowbit.autoquant.solver import recipe_from_json, recipe_to_json
-from lowbit.recipes import Recipe
+from lowbit.core import formats as _formats
+from lowbit.gemm import recipes as _recipes
+from lowbit.gemm.recipes import Recipe
 
 __all__ = ["METHODS", "RULES", "FLOAT_BITS", "Scores", "score", "scoring_flops", "path_points",
            "weight_bits"]

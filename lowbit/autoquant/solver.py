@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from lowbit import recipes as _recipes
-from lowbit.recipes import GemmSpec, QuantSpec, Recipe
+from lowbit.gemm import recipes as _recipes
+from lowbit.gemm.recipes import GemmSpec, QuantSpec, Recipe
 
 __all__ = ["knapsack", "solve", "Plan", "MAX_GRID", "recipe_to_json", "recipe_from_json"]
 

@@ -56,7 +56,7 @@ from lowbit.flax._core import (
 )
 from lowbit.flax.checkpoint import CheckpointError, restore, save
 from lowbit.flax.packing import Row, describe, pack, packed_nbytes, sites, unpack
-from lowbit.implementation import IMPLEMENTATIONS, validate
+from lowbit.gemm.implementation import IMPLEMENTATIONS, validate
 
 __all__ = [
     "quantize",

@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 from flax.linen import module as _module
 
-from lowbit import recipes as _recipes
 from lowbit.flax import _core
 from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Recipe, Rules
-from lowbit.implementation import validate
+from lowbit.gemm import recipes as _recipes
+from lowbit.gemm.implementation import validate
 
 __all__ = ["DotGeneral", "Einsum", "Quantized", "intercept", "quantize", "sites"]
 

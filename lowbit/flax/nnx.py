@@ -22,10 +22,10 @@ from flax import nnx
 from flax.linen import attention as _linen_attention
 from flax.nnx.nn import dtypes as _dtypes
 
-from lowbit import recipes as _recipes
 from lowbit.flax import _core
 from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Recipe, Rules
-from lowbit.implementation import validate
+from lowbit.gemm import recipes as _recipes
+from lowbit.gemm.implementation import validate
 
 __all__ = ["DotGeneral", "Einsum", "Attention", "PackedModel", "quantize", "sites"]
 

@@ -13,7 +13,7 @@ import numpy as np
 import lowbit as lb
 from lowbit.flax import _core
 from lowbit.flax._core import Layout, Rules, Site
-from lowbit.implementation import resolve, validate
+from lowbit.gemm.implementation import resolve, validate
 
 
 def sites(model, rules, *args, implementation: str | None = None, **kwargs) -> list[Site]:
