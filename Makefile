@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -c "import lowbit.native as n; n.main()"
+	$(PY) -c "import lowbit.core.native as n; n.main()"
 	touch $(STAMP)
 
 # Trains the tiny GPT under six recipes on Shakespeare (fetched once into data_cache/), then

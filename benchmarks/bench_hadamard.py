@@ -1,4 +1,4 @@
-"""Speed of ``lowbit.hadamard``'s two forms per block size and axis, against a memory pass.
+"""Speed of ``lowbit.core.hadamard``'s two forms per block size and axis, against a memory pass.
 
     .venv/bin/python benchmarks/bench_hadamard.py                 # 4096 x 1024 float32
     .venv/bin/python benchmarks/bench_hadamard.py --quick         # tiny smoke run
@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lowbit import hadamard
+from lowbit.core import hadamard
 
 try:  # imported as benchmarks.bench_hadamard (tests, python -m)
     from benchmarks import common

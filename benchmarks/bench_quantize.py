@@ -14,7 +14,7 @@ mxfp8 = E4M3 elements, nvfp4) with the same blocks (32 for MX, 16 for NVFP4), an
 lowbit / qwix. All candidates run in one process, interleaved round-robin (``common.py``).
 
 lowbit's time is that of the path a user gets: on a single-device CPU process with a C++
-compiler that is the compiled one-pass kernel of ``lowbit.native`` (column ``path``); the
+compiler that is the compiled one-pass kernel of ``lowbit.core.native`` (column ``path``); the
 column ``xla path`` times the XLA emulation alone (``lb.native.mode("off")``), side by side,
 so the table shows both (``--no-xla-path`` skips it). The two give identical numbers.
 
@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 
 import lowbit as lb
-from lowbit import qarray
+from lowbit.core import qarray
 
 try:  # imported as benchmarks.bench_quantize (tests, python -m)
     from benchmarks import common
@@ -375,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     candidates: dict[str, Callable[[], Any]] = {}
     base = jax.jit(lambda x: x * 2 + 1)
     candidates[BASELINE] = lambda: base(x)
-    # What a user gets (the compiled CPU kernel when lowbit.native is active), and side by
+    # What a user gets (the compiled CPU kernel when lowbit.core.native is active), and side by
     # side the XLA emulation alone.
     native = lb.native.active()
     for fmt in args.formats:

@@ -58,7 +58,7 @@ import numpy as np
 import optax
 
 import lowbit as lb
-from lowbit.implementation import validate
+from lowbit.gemm.implementation import validate
 
 try:  # imported as benchmarks.bench_step (tests, python -m)
     from benchmarks import common

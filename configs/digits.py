@@ -9,7 +9,7 @@ recipe (the ``vit`` family of :mod:`experiments.families`; model and data in
 
 Arguments (after the colon, comma-separated): ``size`` (tiny | s: about 55K / 0.1M
 parameters; tiny trains in seconds on a CPU, s to over 90% validation accuracy in about a
-minute), ``recipe`` (any ``lowbit.recipes.names()``), ``seed``. Every other field is a flag
+minute), ``recipe`` (any ``lowbit.gemm.recipes.names()``), ``seed``. Every other field is a flag
 override, e.g. ``--config.train.steps=2000``, ``--config.model.patch=4``,
 ``--config.quant.high_precision='embed|head'``.
 

@@ -8,7 +8,7 @@
 
 Arguments (after the colon, comma-separated): ``size`` (nano | tiny | xs | s | m | l, about
 0.04M / 0.1M / 0.6M / 3.2M / 11M / 19M parameters), ``recipe`` (any
-``lowbit.recipes.names()``), ``mlp`` (dense | moe), ``seed``. Every other field is a flag
+``lowbit.gemm.recipes.names()``), ``mlp`` (dense | moe), ``seed``. Every other field is a flag
 override, e.g. ``--config.model.positions=learned``, ``--config.data.path=my_corpus/``,
 ``--config.mesh.fsdp=4``, ``--config.quant.high_precision='embed|head'``.
 

@@ -11,7 +11,7 @@ Arguments (after the colon, comma-separated; lists joined by ``+``): ``sizes``
 (``configs/gpt.py``'s: tiny | xs | s | m | l), ``seeds``, ``recipes``, ``steps_scale``,
 ``tokens_per_param``. Fields:
 
-- ``recipes``, ``seeds``: comma-separated lists. ``recipes`` are ``lowbit.recipes.names()``;
+- ``recipes``, ``seeds``: comma-separated lists. ``recipes`` are ``lowbit.gemm.recipes.names()``;
   ``none``, the float baseline every gap is measured against, comes first.
 - ``base``: the ``configs/gpt.py`` config every size shares (data, quantization, schedule,
   cadences): ``--config.base.train.eval_every=0`` or

@@ -27,7 +27,7 @@ from experiments.configlib import ConfigError, to_dataclass, to_plain
 from experiments.families import DEFAULT_FAMILY, FAMILIES, Family
 from experiments.model import GPTConfig
 from lowbit import autoquant
-from lowbit.implementation import validate
+from lowbit.gemm.implementation import validate
 
 __all__ = [
     "TrainConfig",
@@ -102,7 +102,7 @@ class QuantConfig:
     # A saved lowbit.autoquant.Plan (JSON; None: no plan): its sites get their planned recipes
     # ("none" included) before high_precision and recipe apply. Stored as an absolute path.
     plan: str | None = None
-    # The recipe's definition version (lowbit.recipes.Recipe.version), filled in: recorded in
+    # The recipe's definition version (lowbit.gemm.recipes.Recipe.version), filled in: recorded in
     # config.json, so a run of an older definition of a recipe is not reused or resumed as one
     # of the current definition (runs written before the field existed read as version 1).
     recipe_version: int | None = None

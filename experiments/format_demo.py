@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lowbit as lb
-from lowbit.qarray import SCALE_MODES
+from lowbit.core.qarray import SCALE_MODES
 
 __all__ = [
     "FormatRow",
@@ -210,7 +210,7 @@ def int4_scale_errors(
 ) -> dict[str, dict[str, float]]:
     """Relative MSE (``sum (q - x)^2 / sum x^2``) of INT4 under each scale rule, with NVFP4 and
     MXFP4 beside it, on ``n`` samples of a Gaussian, a Laplace and a Student t (3 degrees of
-    freedom): why ``int4`` takes NVFP4's E4M3 block scale (``lowbit/formats.py``).
+    freedom): why ``int4`` takes NVFP4's E4M3 block scale (``lowbit/core/formats.py``).
 
     >>> g = int4_scale_errors(2**14, distributions=["gaussian"])["gaussian"]
     >>> g["int4 (E4M3 scale, blocks of 16)"] < g["int4, E8M0 floor scale, 16"]

@@ -5,11 +5,13 @@
 4.25
 """
 
-from lowbit import bits, calibrate, formats, hadamard, native, numerics, recipes
-from lowbit.dot_general import dot_general, einsum
-from lowbit.formats import BlockFormat, ElementFormat, ScaleFormat
-from lowbit.qarray import QArray, dequantize, fake_quantize, quantize
-from lowbit.recipes import GemmSpec, QuantSpec, Recipe
+from lowbit import bits, calibrate
+from lowbit.core import formats, hadamard, native, numerics
+from lowbit.core.formats import BlockFormat, ElementFormat, ScaleFormat
+from lowbit.core.qarray import QArray, dequantize, fake_quantize, quantize
+from lowbit.gemm import recipes
+from lowbit.gemm.dot_general import dot_general, einsum
+from lowbit.gemm.recipes import GemmSpec, QuantSpec, Recipe
 
 __version__ = "0.1.0"
 

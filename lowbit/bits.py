@@ -39,9 +39,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lowbit import formats as _formats
-from lowbit.qarray import QArray
-from lowbit.recipes import QuantSpec
+from lowbit.core import formats as _formats
+from lowbit.core.qarray import QArray
+from lowbit.gemm.recipes import QuantSpec
 
 __all__ = [
     "FLOAT_BITS",
@@ -63,7 +63,7 @@ def _spec(spec) -> QuantSpec | None:
 
 def bits_per_element(spec: QuantSpec | str | None, *, float_bits: float = FLOAT_BITS) -> float:
     """Stored bits per element under ``spec``: packed codes plus the block scales' share,
-    no tensor scale (:attr:`lowbit.recipes.QuantSpec.bits_per_element`); ``float_bits`` for
+    no tensor scale (:attr:`lowbit.gemm.recipes.QuantSpec.bits_per_element`); ``float_bits`` for
     None (the element kept in high precision). ``spec``: a QuantSpec or a format name.
 
     >>> bits_per_element("mxfp4"), bits_per_element(None, float_bits=32.0)

@@ -37,12 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lowbit import formats as _formats
-from lowbit import qarray as _qa
-from lowbit.formats import E4M3, BlockFormat, ElementFormat
-from lowbit.numerics import exponent, ieee_div, pow2, round_to_grid
-from lowbit.operand import scaled_fake_quantize
-from lowbit.recipes import TENSOR_ELEMENTS
+from lowbit.core import formats as _formats
+from lowbit.core import qarray as _qa
+from lowbit.core.formats import E4M3, BlockFormat, ElementFormat
+from lowbit.core.numerics import exponent, ieee_div, pow2, round_to_grid
+from lowbit.gemm.operand import scaled_fake_quantize
+from lowbit.gemm.recipes import TENSOR_ELEMENTS
 
 __all__ = [
     "Histogram",
@@ -670,7 +670,7 @@ def _nvfp4_search(xb, y0, finite, plan, standard):
     offsets = jnp.asarray(NVFP4_SCALE_OFFSETS, jnp.int32)
     (best_err, best_c, best_q), _ = lax.scan(try_offset, init, offsets)
     changed = best_err < err0
-    # E2M1 (INT4) codes two a byte, low nibble first (lowbit.qarray's layout)
+    # E2M1 (INT4) codes two a byte, low nibble first (lowbit.core.qarray's layout)
     codes = _storage(_qa.encode_elements(best_q, elem).reshape(plan.padded_shape), plan)
     codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
     scales = _storage(jnp.squeeze(best_c, axis=plan.block_axes).astype(jnp.uint8), plan)

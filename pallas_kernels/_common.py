@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from lowbit.implementation import resolve
+from lowbit.gemm.implementation import resolve
 
 __all__ = [
     "TRITON_CUSTOM_CALL_TARGETS",
@@ -60,7 +60,7 @@ def select_implementation(
     op: str, implementation: str | None, interpret: bool, unsupported: str | None
 ) -> str:
     """``"xla"`` or ``"pallas"`` for a call of ``op`` (``implementation``: a value of
-    ``lowbit.implementation.IMPLEMENTATIONS`` or a resolved ``Implementation``).
+    ``lowbit.gemm.implementation.IMPLEMENTATIONS`` or a resolved ``Implementation``).
 
     ``unsupported`` is None when the kernel can serve the call, else the reason it cannot.
     An explicit ``"pallas"`` that cannot run warns and falls back to ``"xla"``.

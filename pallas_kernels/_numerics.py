@@ -2,9 +2,9 @@
 
 The kernels import lowbit's numerics directly wherever the Pallas Triton lowering (jax 0.10 and
 0.11) accepts them, so there is one definition of each rule: the counter hash
-(``lowbit.numerics.hash_constants`` / ``hashed_bits``), exact powers of two (``pow2``),
+(``lowbit.core.numerics.hash_constants`` / ``hashed_bits``), exact powers of two (``pow2``),
 nearest-even rounding (``round_to_grid``), the element code tables
-(``lowbit.qarray.encode_elements`` / ``decode_elements``), the MX shared exponent
+(``lowbit.core.qarray.encode_elements`` / ``decode_elements``), the MX shared exponent
 (``mx_scale_exponent``) and NVFP4's tensor scale (``nvfp4_tensor_scale``, computed by XLA
 before the kernel). ``tests/test_pallas_quantize.py`` lowers every kernel configuration for
 CUDA, which is what shows that these lower.
@@ -15,7 +15,7 @@ What is left here, each with the primitive that fails, operation for operation e
 - :func:`ieee_div`: Triton lowers a float32 ``/`` to ``div.full.f32`` (approximate, up to
   2 ulp); NVFP4's scales need the correctly rounded quotient that XLA computes, so on the GPU
   it is inline PTX ``div.rn.f32``. In interpret mode (XLA evaluates the kernel body) it is
-  ``lowbit.numerics.ieee_div`` itself, whose guard keeps XLA from rewriting the division.
+  ``lowbit.core.numerics.ieee_div`` itself, whose guard keeps XLA from rewriting the division.
 - :func:`encode`: ``encode_elements`` rounds MX INT8 codes with ``jnp.round``, which has no
   Triton lowering ("Unimplemented primitive in Pallas Triton lowering: round"); the value is
   an exact integer there, so a truncating conversion is the same. Floating-point elements use
@@ -23,7 +23,7 @@ What is left here, each with the primitive that fails, operation for operation e
 - :func:`round_to_grid` with random bits: lowbit's stochastic branch masks with ``~low`` of
   a ``jnp.uint32`` constant, a ``not`` of a literal that the Triton lowering rejects
   (``'TypedNdArray' object has no attribute 'type'``); here the mask is a Python constant.
-  Nearest rounding is ``lowbit.numerics.round_to_grid``.
+  Nearest rounding is ``lowbit.core.numerics.round_to_grid``.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
-from lowbit import numerics as lowbit_numerics
-from lowbit.formats import ElementFormat
-from lowbit.qarray import encode_elements
+from lowbit.core import numerics as lowbit_numerics
+from lowbit.core.formats import ElementFormat
+from lowbit.core.qarray import encode_elements
 
 __all__ = ["INF_BITS", "ieee_div", "encode", "round_to_grid"]
 
@@ -68,7 +68,7 @@ def encode(v: jax.Array, elem: ElementFormat) -> jax.Array:
 def round_to_grid(
     v: jax.Array, elem: ElementFormat, rbits: jax.Array | None = None, *, saturate: bool = False
 ) -> jax.Array:
-    """``lowbit.numerics.round_to_grid(v, elem, rbits=rbits, saturate=saturate)``."""
+    """``lowbit.core.numerics.round_to_grid(v, elem, rbits=rbits, saturate=saturate)``."""
     if rbits is None:
         return lowbit_numerics.round_to_grid(v, elem, saturate=saturate)
     # lowbit's stochastic branch, with its mask ``~low`` as a Python constant (see above)

@@ -46,13 +46,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit import formats
-from lowbit import recipes as lowbit_recipes
-from lowbit.hadamard import hadamard_transform, random_signs
-from lowbit.operand import quantize_operand
-from lowbit.plan import make_plan
-from lowbit.qarray import QArray
-from lowbit.qarray import quantize as lowbit_quantize
+from lowbit.core import formats
+from lowbit.core.hadamard import hadamard_transform, random_signs
+from lowbit.core.plan import make_plan
+from lowbit.core.qarray import QArray
+from lowbit.core.qarray import quantize as lowbit_quantize
+from lowbit.gemm import recipes as lowbit_recipes
+from lowbit.gemm.operand import quantize_operand
 from pallas_kernels._common import export_for_cuda, format_unsupported, on_gpu, time_fn
 from pallas_kernels.block_scaled_matmul import Config as MatmulConfig
 from pallas_kernels.block_scaled_matmul import block_scaled_matmul

@@ -1,7 +1,7 @@
 """The independent reference of ``lowbit.dot_general``'s three GEMMs, and the spec tests written
 once against it and run for every implementation.
 
-The reference (:func:`reference`) is written from the semantics in lowbit/recipes.py, not from
+The reference (:func:`reference`) is written from the semantics in lowbit/gemm/recipes.py, not from
 dot_general.py's internals: each of the three GEMMs (``fwd``: lhs, rhs; ``dlhs``: dy, rhs;
 ``drhs``: lhs, dy) transforms its operands along its own contraction axis with its Hadamard
 block (signs ``gemm_signs(gemm, key, tag)``), fake-quantizes each operand along that axis with
@@ -13,7 +13,7 @@ straight-through: the forward-quantized operand with the forward Hadamard undone
 precision).
 
 :class:`DotGeneralSpec` holds the tests; each subclass says which implementation runs
-(``implementation=``: a name or a resolved ``lowbit.implementation.Implementation``, Pallas
+(``implementation=``: a name or a resolved ``lowbit.gemm.implementation.Implementation``, Pallas
 interpret mode included), on which recipes, and whether it must equal the reference bit for
 bit (the emulation runs the same float32 operations) or to float32 accumulation tolerance
 (the kernels: the same quantized operands, other orders of the float32 sums). The default
@@ -33,9 +33,9 @@ import numpy as np
 from jax import lax
 
 import lowbit as lb
-from lowbit.hadamard import hadamard_transform
-from lowbit.operand import fold_key, gemm_signs, quantize_operand, std_scaled_quantize
-from lowbit.recipes import GemmSpec, QuantSpec, Recipe
+from lowbit.core.hadamard import hadamard_transform
+from lowbit.gemm.operand import fold_key, gemm_signs, quantize_operand, std_scaled_quantize
+from lowbit.gemm.recipes import GemmSpec, QuantSpec, Recipe
 
 U32 = 2.0**-24  # float32 unit roundoff
 

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 import lowbit as lb
 import lowbit.flax as lbf
-from lowbit.implementation import resolve
+from lowbit.gemm.implementation import resolve
 
 B, T, D = 2, 16, 32  # T = 16: NVFP4's wgrad Hadamard runs along the token axis
 

@@ -28,8 +28,8 @@ import numpy as np
 from jax import lax
 
 import lowbit as lb
-from lowbit.hadamard import random_signs
-from lowbit.recipes import QuantSpec
+from lowbit.core.hadamard import random_signs
+from lowbit.gemm.recipes import QuantSpec
 from pallas_kernels.quantized_gemm import kernel_supports, quantized_gemm, quantized_gemm_reference
 from tests import reference as ref
 
@@ -148,7 +148,7 @@ HADAMARD_PAIRS = [
 class QuantizedGemmSpec:
     """Spec tests of ``quantized_gemm``; subclasses set how it is called (class attributes).
 
-    ``implementation`` / ``interpret``: the op's arguments. ``native``: the ``lowbit.native``
+    ``implementation`` / ``interpret``: the op's arguments. ``native``: the ``lowbit.core.native``
     mode the call is traced under. ``exact``: bit-exact with the XLA emulation (else float32
     accumulation tolerance). ``pairs``: the operand-spec pairs this implementation serves
     (the kernel path: :data:`SUPPORTED`).
@@ -166,7 +166,7 @@ class QuantizedGemmSpec:
 
     def gemm(self, pair, hadamard=None):
         """The jitted GEMM of this implementation: ``(a, b, key_a, key_b, signs) -> c``,
-        traced under this class's ``lowbit.native`` mode (the CPU kernel is chosen when a
+        traced under this class's ``lowbit.core.native`` mode (the CPU kernel is chosen when a
         function is traced)."""
         fn = jax.jit(functools.partial(
             quantized_gemm, spec_a=pair[0], spec_b=pair[1], hadamard=hadamard,
@@ -191,7 +191,7 @@ class QuantizedGemmSpec:
     @staticmethod
     def emulation(a, b, pair, key_a, key_b, hadamard=None, signs=None):
         """The pure-XLA emulation and its quantized operands."""
-        from lowbit.operand import quantize_operand
+        from lowbit.gemm.operand import quantize_operand
 
         kw = dict(hadamard=hadamard, signs=signs, native=False)
         aq = quantize_operand(a, pair[0], 1, 0, key_a, **kw)

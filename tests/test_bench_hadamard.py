@@ -4,7 +4,7 @@
 import json
 
 from benchmarks import bench_hadamard
-from lowbit import hadamard
+from lowbit.core import hadamard
 
 
 def test_bench_hadamard_quick_writes_one_row_per_block_and_axis(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 
 import lowbit as lb
 from lowbit.bits import bits_per_element, leaf_nbytes, storage_bits
-from lowbit.recipes import QuantSpec
+from lowbit.gemm.recipes import QuantSpec
 
 FORMATS = lb.formats.names()
 # 1-D blocks along either axis and 2-D tiles, on shapes that divide into blocks and shapes

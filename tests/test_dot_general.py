@@ -1,7 +1,7 @@
 """Tests for lowbit.dot_general: the three quantized GEMMs of every recipe, against references.
 
 The reference (``reference`` in tests/dot_general_base.py, with the spec that every other
-implementation's subclass runs) is written from the semantics in lowbit/recipes.py, not
+implementation's subclass runs) is written from the semantics in lowbit/gemm/recipes.py, not
 from dot_general.py's internals: each of the three GEMMs (``fwd``: lhs, rhs; ``dlhs``: dy, rhs;
 ``drhs``: lhs, dy) transforms its operands along its own contraction axis with its Hadamard
 block (signs ``_signs(gemm, key, tag)``), fake-quantizes each operand along that axis with
@@ -44,10 +44,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lowbit as lb
-from lowbit import recipes
-from lowbit.operand import gemm_signs as _signs
-from lowbit.operand import quantize_operand
-from lowbit.recipes import GemmSpec, QuantSpec, Recipe
+from lowbit.gemm import recipes
+from lowbit.gemm.operand import gemm_signs as _signs
+from lowbit.gemm.operand import quantize_operand
+from lowbit.gemm.recipes import GemmSpec, QuantSpec, Recipe
 from tests.dot_general_base import (
     CASE,
     CASES,
@@ -851,7 +851,7 @@ def test_forward_operands_multiply_to_the_forward_output(name):
     """The operands as the forward GEMM multiplies them, in the original basis (a forward
     Hadamard undone): their float32 product is the quantized output, and they are quantized
     (not the inputs) wherever the recipe's forward quantizes."""
-    from lowbit.dot_general import einsum_operands, forward_operands
+    from lowbit.gemm.dot_general import einsum_operands, forward_operands
 
     x = jax.random.normal(jax.random.key(3), (2, 8, 64))
     w = jax.random.normal(jax.random.key(4), (64, 32))

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lowbit as lb
-from lowbit import numerics, qarray
+from lowbit.core import numerics, qarray
 from tests import reference as ref
 from tests import test_quantizer_xla
 from tests.elements import LB_ELEMS, ML_DTYPES

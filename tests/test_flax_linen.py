@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 
 import lowbit.flax as lbf
 from lowbit.flax import linen as lbl
-from lowbit.implementation import resolve
+from lowbit.gemm.implementation import resolve
 from tests.flax_base import (
     BAD_IMPLEMENTATION,
     FWD_RULES,

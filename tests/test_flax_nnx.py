@@ -15,7 +15,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 
 import lowbit.flax as lbf
-from lowbit.implementation import resolve
+from lowbit.gemm.implementation import resolve
 from tests.flax_base import (
     FWD_RULES,
     SR_RULES,

@@ -1,4 +1,4 @@
-"""Tests for lowbit.hadamard against a dense float64 Sylvester-matrix reference.
+"""Tests for lowbit.core.hadamard against a dense float64 Sylvester-matrix reference.
 
 Both forms of the transform (``method="dense"`` and ``"butterfly"``) run every case.
 
@@ -30,8 +30,8 @@ import numpy as np
 import pytest
 
 import lowbit as lb
-from lowbit import hadamard
-from lowbit.hadamard import BLOCK_SIZES, hadamard_matrix, hadamard_transform, random_signs
+from lowbit.core import hadamard
+from lowbit.core.hadamard import BLOCK_SIZES, hadamard_matrix, hadamard_transform, random_signs
 
 U32 = 2.0**-24  # float32 unit roundoff
 U64 = 2.0**-53

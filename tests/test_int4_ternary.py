@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import lowbit as lb
-from lowbit.operand import quantize_operand, unpack_operand
-from lowbit.recipes import QuantSpec
+from lowbit.gemm.operand import quantize_operand, unpack_operand
+from lowbit.gemm.recipes import QuantSpec
 from tests import reference as ref
 from tests.quantizer_base import assert_bits_equal, assert_codes_equal
 

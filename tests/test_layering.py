@@ -7,7 +7,7 @@ Layers, lowest first (a module may import its own layer and the layers below it)
       -> dot_general -> flax -> ptq -> autoquant -> experiments -> benchmarks
 
 ``lowbit`` reaches ``pallas_kernels`` only through the lazy implementation table in
-``lowbit.implementation`` (an ``importlib`` call on first use, no import statement), and
+``lowbit.gemm.implementation`` (an ``importlib`` call on first use, no import statement), and
 ``pallas_kernels`` imports only lowbit modules below ``dot_general`` (never the ``lowbit``
 package itself, whose ``__init__`` loads ``dot_general``). ``lowbit/__init__.py`` re-exports
 the public API and is exempt. Everything is read from the source with ``ast``: nothing here
@@ -25,16 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("lowbit", "pallas_kernels", "experiments", "benchmarks")
 
 LAYERS = [
-    ("lowbit.formats", "lowbit.implementation"),
-    ("lowbit.numerics", "lowbit.hadamard", "lowbit.plan"),
-    ("lowbit.native",),
-    ("lowbit.qarray",),
+    ("lowbit.core", "lowbit.gemm", "lowbit.core.formats", "lowbit.gemm.implementation"),
+    ("lowbit.core.numerics", "lowbit.core.hadamard", "lowbit.core.plan"),
+    ("lowbit.core.native",),
+    ("lowbit.core.qarray",),
     ("lowbit.io",),
-    ("lowbit.recipes",),
+    ("lowbit.gemm.recipes",),
     ("lowbit.bits",),
-    ("lowbit.operand", "lowbit.calibrate"),
+    ("lowbit.gemm.operand", "lowbit.calibrate"),
     ("pallas_kernels",),
-    ("lowbit.dot_general",),
+    ("lowbit.gemm.dot_general",),
     ("lowbit.flax",),
     ("lowbit.ptq",),
     ("lowbit.autoquant",),
@@ -109,7 +109,7 @@ def test_imports_run_down_the_layers(module):
         rank = layer(target)
         if rank is None:
             continue
-        if target == "lowbit" and own < layer("lowbit.dot_general"):
+        if target == "lowbit" and own < layer("lowbit.gemm.dot_general"):
             bad.append(f"line {line}: imports the lowbit package (loads dot_general and more)")
         elif rank > own:
             bad.append(f"line {line}: imports {target} (layer {rank} > {own})")
@@ -156,7 +156,7 @@ def test_no_private_names_of_other_modules(module):
 def test_lowbit_reaches_the_kernels_through_one_table():
     import importlib
 
-    impl = importlib.import_module("lowbit.implementation")
+    impl = importlib.import_module("lowbit.gemm.implementation")
     for name, (mod, attr) in impl.KERNELS.items():
         assert name in impl.IMPLEMENTATIONS
         assert mod in MODULES and layer(mod) == layer("pallas_kernels")
@@ -164,7 +164,7 @@ def test_lowbit_reaches_the_kernels_through_one_table():
     # and that table is the only place lowbit names a kernel module as a string (what an
     # importlib call would take), docstrings aside
     for module, path in MODULES.items():
-        if not module.startswith("lowbit") or module == "lowbit.implementation":
+        if not module.startswith("lowbit") or module == "lowbit.gemm.implementation":
             continue
         tree = ast.parse(path.read_text())
         docs = {id(n.body[0].value) for n in ast.walk(tree)

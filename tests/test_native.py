@@ -1,4 +1,4 @@
-"""The compiled CPU kernel (``lowbit.native``): bit-identical to the XLA path everywhere
+"""The compiled CPU kernel (``lowbit.core.native``): bit-identical to the XLA path everywhere
 ``fake_quantize`` can send it (1-D blocks, 2-D tiles, and a fused Hadamard transform, against
 ``hadamard_transform(method="butterfly")`` then the XLA path); its policy and its build.
 
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import lowbit as lb
-from lowbit import native
-from lowbit import qarray as _qa
+from lowbit.core import native
+from lowbit.core import qarray as _qa
 
 needs_kernel = pytest.mark.skipif(
     not native.available(), reason=f"no native CPU kernel: {native.why_unavailable()}"

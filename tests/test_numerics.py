@@ -1,4 +1,4 @@
-"""Tests of lowbit.numerics: the counter-based random bits, exact powers of two, rounding.
+"""Tests of lowbit.core.numerics: the counter-based random bits, exact powers of two, rounding.
 
 The statistical tests state their bound: each compares a statistic with the quantile of its
 null distribution at a false-failure probability ALPHA = 1e-6 per test, split over the checks
@@ -18,7 +18,7 @@ import pytest
 from scipy import stats
 
 import lowbit as lb
-from lowbit import numerics
+from lowbit.core import numerics
 
 ALPHA = 1e-6
 N = 2**16  # samples per stream

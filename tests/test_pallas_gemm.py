@@ -29,10 +29,10 @@ import pytest
 from jax import lax
 
 import lowbit as lb
-from lowbit.hadamard import random_signs
-from lowbit.implementation import resolve
-from lowbit.operand import quantize_operand
-from lowbit.recipes import GemmSpec, QuantSpec, Recipe
+from lowbit.core.hadamard import random_signs
+from lowbit.gemm.implementation import resolve
+from lowbit.gemm.operand import quantize_operand
+from lowbit.gemm.recipes import GemmSpec, QuantSpec, Recipe
 from pallas_kernels._common import TRITON_CUSTOM_CALL_TARGETS, export_for_cuda, on_gpu
 from pallas_kernels.quantized_gemm import kernel_supports, quantized_gemm
 from tests.dot_general_base import BTK_KN, MK_KN, DotGeneralSpec, parametrize_spec
@@ -168,7 +168,7 @@ def test_cpu_eager_is_the_eager_emulation():
 def test_keys_are_the_ones_dot_general_passes():
     """The forward GEMM of lowbit.dot_general (no Hadamard) is quantized_gemm with the keys
     dot_general derives for its two operands."""
-    from lowbit.operand import fold_key as _fold
+    from lowbit.gemm.operand import fold_key as _fold
 
     spec = SR4
     recipe = Recipe("gemm_test", fwd=GemmSpec(spec, QuantSpec("nvfp4", rounding="stochastic")))

@@ -19,7 +19,7 @@ within an ulp of a rounding boundary (of the element grid, or of a scale's binad
 the other way: at most 0.1 % of the code bytes and 1 % of the block scales may differ, and
 NVFP4's tensor scale by a few ulp (measured: at most 1 code byte in 65536, no scale).
 
-Prescale gain (``gain=g``): bit-exact with ``lowbit.qarray.quantize_with_plan`` for
+Prescale gain (``gain=g``): bit-exact with ``lowbit.core.qarray.quantize_with_plan`` for
 ``make_plan(..., prescale=g)``; dividing the dequantized values by ``g`` gives lowbit's
 fake-quantized values for that plan.
 
@@ -42,9 +42,9 @@ import numpy as np
 import pytest
 
 import lowbit as lb
-from lowbit import numerics as lowbit_numerics
-from lowbit import qarray as lowbit_qarray
-from lowbit.hadamard import random_signs
+from lowbit.core import numerics as lowbit_numerics
+from lowbit.core import qarray as lowbit_qarray
+from lowbit.core.hadamard import random_signs
 from pallas_kernels import _numerics as nx
 from pallas_kernels._common import export_for_cuda, format_unsupported, on_gpu
 from pallas_kernels.quantize import Config, get_default, quantize

@@ -1,5 +1,5 @@
 """The quantizer spec tests (tests/quantizer_base.py) for the compiled CPU kernel
-(``lowbit.native``): ``lb.fake_quantize`` traced under ``lb.native.mode("on")``. The kernel
+(``lowbit.core.native``): ``lb.fake_quantize`` traced under ``lb.native.mode("on")``. The kernel
 computes fake_quantize only (``lb.quantize`` has no kernel), so these tests check values.
 
 Every program is traced afresh inside the mode (the kernel is chosen when a function is
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import lowbit as lb
-from lowbit import native, qarray
+from lowbit.core import native, qarray
 from tests.quantizer_base import QuantizerSpec, Unsupported
 
 
@@ -24,7 +24,7 @@ def _kernel_takes_tiles() -> bool | Unsupported:
     plan = qarray.make_plan((32, 32), "mxfp4", (0, 1), (16, 16), None, "nearest", None, None)
     if native.supports(plan):
         return True
-    return Unsupported("lowbit.native.supports() rejects 2-D tiles (the XLA path serves them)")
+    return Unsupported("lowbit.core.native.supports() rejects 2-D tiles (the XLA path serves them)")
 
 
 @pytest.mark.skipif(

@@ -7,10 +7,10 @@ scale from the block's spread and its rounding thresholds; Tseng et al.'s floor 
 3/4 gain; NVIDIA's NVFP4 tensor and block scales from ``tests/reference.py``; OCP MX), and the
 GEMM schemes are the papers' (which operands, in which basis, which signs are shared).
 Shared with the library are only its random draws, so that one key gives one gradient:
-``lowbit.numerics.uniform_bits`` of the documented key streams (``fold_key(key, gemm,
+``lowbit.core.numerics.uniform_bits`` of the documented key streams (``fold_key(key, gemm,
 operand)``, gemm 0/1/2 = fwd/dlhs/drhs, operand 0/1 = the GEMM's lhs/rhs) and
-``lowbit.hadamard.random_signs`` of ``fold_key(key, 1000 + gemm)``; a stochastic rounding
-decision reads the bits as ``lowbit.numerics.round_to_grid`` documents (the top 22 bits for
+``lowbit.core.hadamard.random_signs`` of ``fold_key(key, 1000 + gemm)``; a stochastic rounding
+decision reads the bits as ``lowbit.core.numerics.round_to_grid`` documents (the top 22 bits for
 an E2M1 value at or above 1, the top 24 below it).
 
 The library runs float32 arithmetic, the references float64: outputs agree to 1e-5 of their
@@ -30,9 +30,9 @@ from jax import lax
 from scipy.linalg import hadamard
 
 import lowbit as lb
-from lowbit.hadamard import random_signs
-from lowbit.numerics import uniform_bits
-from lowbit.operand import fold_key
+from lowbit.core.hadamard import random_signs
+from lowbit.core.numerics import uniform_bits
+from lowbit.gemm.operand import fold_key
 from tests import reference as ref
 
 KEY = jax.random.key(2025)

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import re
 
-from lowbit import recipes as _recipes
 from lowbit.flax._core import Site
 from lowbit.flax.adapters import adapter_for
+from lowbit.gemm import recipes as _recipes
 
 __all__ = ["PRESETS", "ROLES", "classify", "heuristic", "weight_sites"]
 

@@ -8,9 +8,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lowbit import recipes as _recipes
 from lowbit.flax.adapters import Probe
-from lowbit.recipes import Recipe
+from lowbit.gemm import recipes as _recipes
+from lowbit.gemm.recipes import Recipe
 
 NONE = _recipes.get("none")
 

@@ -46,14 +46,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit import recipes as _recipes
 from lowbit.autoquant.heuristic import classify
 from lowbit.autoquant.programs import NONE, needs_key, program, scalar
 from lowbit.autoquant.solver import recipe_from_json, recipe_to_json
 from lowbit.bits import FLOAT_BITS, storage_bits
 from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Rules
 from lowbit.flax.adapters import Probe, adapter_for
-from lowbit.recipes import Recipe
+from lowbit.gemm import recipes as _recipes
+from lowbit.gemm.recipes import Recipe
 
 __all__ = ["METHODS", "RULES", "FLOAT_BITS", "Scores", "score", "scoring_flops", "path_points",
            "weight_bits"]

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from lowbit import recipes as _recipes
-from lowbit.recipes import GemmSpec, QuantSpec, Recipe
+from lowbit.gemm import recipes as _recipes
+from lowbit.gemm.recipes import GemmSpec, QuantSpec, Recipe
 
 __all__ = ["knapsack", "solve", "PrecisionPlan", "Plan", "MAX_GRID", "recipe_to_json",
            "recipe_from_json"]
@@ -324,7 +324,7 @@ class PrecisionPlan:
 
 
 Plan = PrecisionPlan
-"""The former name of :class:`PrecisionPlan` (``lowbit.qarray.Plan`` is the blocking plan of a
+"""The former name of :class:`PrecisionPlan` (``lowbit.core.qarray.Plan`` is the blocking plan of a
 quantized tensor), kept for the experiments that load plans by it."""
 
 

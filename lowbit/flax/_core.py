@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from jax import lax
 
 import lowbit as lb
-from lowbit import recipes as _recipes
-from lowbit.dot_general import einsum_operands, forward_operands
-from lowbit.implementation import Implementation
-from lowbit.recipes import GemmSpec, QuantSpec, Recipe
+from lowbit.gemm import recipes as _recipes
+from lowbit.gemm.dot_general import einsum_operands, forward_operands
+from lowbit.gemm.implementation import Implementation
+from lowbit.gemm.recipes import GemmSpec, QuantSpec, Recipe
 
 ATTN_SCORES = "attn_scores"
 ATTN_VALUES = "attn_values"
@@ -568,6 +568,6 @@ def pack_weight(w: jax.Array, spec: QuantSpec, layout: Layout) -> lb.QArray:
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _pack_weight(w, spec: QuantSpec, axis: int, other_axis: int | None) -> lb.QArray:
     # One compiled computation per (shape, spec) rather than op by op.
-    from lowbit.operand import quantize_operand
+    from lowbit.gemm.operand import quantize_operand
 
     return quantize_operand(w, spec, axis, other_axis, None, packed=True)

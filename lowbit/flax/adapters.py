@@ -24,11 +24,11 @@ import flax.linen as nn
 import jax
 from flax import nnx as fnnx
 
+from lowbit.core.qarray import QArray, dequantize
 from lowbit.flax import _core, linen, nnx
 from lowbit.flax._core import Recipe, Rules, Site, SiteTransform
-from lowbit.implementation import Implementation
+from lowbit.gemm.implementation import Implementation
 from lowbit.io.tree import is_qarray, keypath_str, path_str
-from lowbit.qarray import QArray, dequantize
 
 __all__ = ["Adapter", "NnxAdapter", "LinenAdapter", "Bound", "Edit", "Probe", "adapter_for"]
 

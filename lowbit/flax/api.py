@@ -6,7 +6,7 @@ from __future__ import annotations
 from lowbit.flax._core import Layout, Rules, Site
 from lowbit.flax.adapters import adapter_for
 from lowbit.flax.packing import Row, format_rows, layouts_of, pack_params, rows
-from lowbit.implementation import Implementation, resolve
+from lowbit.gemm.implementation import Implementation, resolve
 
 __all__ = ["quantize", "sites", "describe", "pack"]
 

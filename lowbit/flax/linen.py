@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 from flax.linen import module as _module
 
-from lowbit import recipes as _recipes
 from lowbit.flax import _core
 from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Recipe, Rules
 from lowbit.flax.packing import unpack
-from lowbit.implementation import Implementation, resolve
+from lowbit.gemm import recipes as _recipes
+from lowbit.gemm.implementation import Implementation, resolve
 from lowbit.io.tree import is_qarray, path_str
 
 __all__ = ["DotGeneral", "Einsum", "Quantized", "intercept", "quantize", "sites"]

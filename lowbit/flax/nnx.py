@@ -22,11 +22,11 @@ from flax import nnx
 from flax.linen import attention as _linen_attention
 from flax.nnx.nn import dtypes as _dtypes
 
-from lowbit import recipes as _recipes
 from lowbit.flax import _core
 from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Recipe, Rules
 from lowbit.flax.packing import layouts_of, pack_params, unpack
-from lowbit.implementation import Implementation, resolve
+from lowbit.gemm import recipes as _recipes
+from lowbit.gemm.implementation import Implementation, resolve
 from lowbit.io.tree import path_str
 
 __all__ = ["DotGeneral", "Einsum", "Attention", "PackedModel", "quantize", "sites"]

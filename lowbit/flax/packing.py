@@ -14,7 +14,7 @@ import lowbit as lb
 from lowbit.bits import bits_per_element, leaf_nbytes
 from lowbit.flax import _core
 from lowbit.flax._core import Layout, Rules, Site
-from lowbit.implementation import Implementation, resolve
+from lowbit.gemm.implementation import Implementation, resolve
 from lowbit.io.tree import is_qarray, keypath_str, path_str
 
 # --------------------------------------------------------------------------------------------

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit.core.qarray import QArray
 from lowbit.io import tree as trees
-from lowbit.qarray import QArray
 
 MANIFEST = "lowbit.json"
 ARRAYS = "arrays"

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.qarray import QArray
+from lowbit.core.qarray import QArray
 
 __all__ = [
     "is_qarray",

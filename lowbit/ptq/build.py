@@ -11,9 +11,10 @@ import numpy as np
 
 from lowbit import calibrate as _cal
 from lowbit.bits import leaf_nbytes
+from lowbit.core.qarray import QArray
 from lowbit.flax._core import Layout, Rules, pack_weight, serving_recipe, weight_spec
 from lowbit.flax.adapters import adapter_for
-from lowbit.implementation import resolve
+from lowbit.gemm.implementation import resolve
 from lowbit.io.tree import is_qarray, keypath_str
 from lowbit.ptq.calibration import Calibration, site_rules, with_amax
 from lowbit.ptq.sites import (
@@ -25,7 +26,6 @@ from lowbit.ptq.sites import (
     quantized_sites,
 )
 from lowbit.ptq.transforms import Smoothing, edits, site_kernel
-from lowbit.qarray import QArray
 
 
 def prepare(model, rules, calibration, smoothing, weights, example, where):

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit import calibrate as _cal
-from lowbit import recipes as _recipes
 from lowbit.flax._core import Rules, observing
+from lowbit.gemm import recipes as _recipes
+from lowbit.gemm.recipes import Recipe
 from lowbit.ptq.sites import (
     MAX_ROWS,
     Model,
@@ -26,7 +27,6 @@ from lowbit.ptq.sites import (
     quantized_sites,
 )
 from lowbit.ptq.transforms import Smoothing, edits
-from lowbit.recipes import Recipe
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,8 +9,8 @@ import numpy as np
 
 from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Layout, Rules, Site, weight_spec
 from lowbit.flax.adapters import Adapter, Bound, adapter_for
+from lowbit.gemm.recipes import QuantSpec, Recipe
 from lowbit.io.tree import keypath_str, path_str
-from lowbit.recipes import QuantSpec, Recipe
 
 ALPHAS = tuple(i / 20 for i in range(21))  # the smoothing exponent grid, 0 .. 1
 WEIGHT_METHODS = ("max", "mse")

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowbit.flax._core import Rules, weight_spec
-from lowbit.operand import quantize_operand
+from lowbit.gemm.operand import quantize_operand
+from lowbit.gemm.recipes import QuantSpec, Recipe
 from lowbit.ptq.calibration import observe_batches
 from lowbit.ptq.sites import ALPHAS, MAX_ROWS, as_model, check_packable, dense_sites, kernel_value
 from lowbit.ptq.transforms import Smoothing
-from lowbit.recipes import QuantSpec, Recipe
 
 
 @jax.jit

@@ -12,8 +12,8 @@ import numpy as np
 
 from lowbit.flax._core import Layout, Rules, Site, SiteTransform
 from lowbit.flax.adapters import Edit
+from lowbit.gemm.recipes import Recipe
 from lowbit.ptq.sites import Model, kernel_leaf
-from lowbit.recipes import Recipe
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lowbit.qarray import QArray
+from lowbit.core.qarray import QArray
 from pallas_kernels._common import format_unsupported, is_pow2, select_implementation
 from pallas_kernels.block_scaled_matmul.config import Config, get_default
 from pallas_kernels.block_scaled_matmul.kernel import matmul_pallas

@@ -15,9 +15,9 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from lowbit import formats
-from lowbit.qarray import QArray
-from lowbit.qarray import quantize as lowbit_quantize
+from lowbit.core import formats
+from lowbit.core.qarray import QArray
+from lowbit.core.qarray import quantize as lowbit_quantize
 from pallas_kernels._common import format_unsupported, on_gpu, time_fn
 from pallas_kernels.block_scaled_matmul.api import block_scaled_matmul
 from pallas_kernels.block_scaled_matmul.reference import block_scaled_matmul_reference

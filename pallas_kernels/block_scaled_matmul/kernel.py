@@ -8,8 +8,8 @@ A program owns a ``[block_m, block_n]`` tile of C and loops over K in ``block_k`
 step loads the packed codes of both operand tiles (FP4: one byte holds two codes, split with a
 shift and a mask and interleaved with a join; FP6: three stride-3 byte loads give the 24-bit
 groups of four codes; FP8/INT8: one byte a code), decodes them with lowbit's integer
-arithmetic (``lowbit.qarray.decode_elements``: no lookup tables), multiplies each K-block by
-its scale (E8M0 as two exact powers of two, or an E4M3 value, as ``lowbit.qarray.dequantize``
+arithmetic (``lowbit.core.qarray.decode_elements``: no lookup tables), multiplies each K-block by
+its scale (E8M0 as two exact powers of two, or an E4M3 value, as ``lowbit.core.qarray.dequantize``
 does) and feeds the tile to a tensor-core dot with float32 accumulation.
 
 Why the dequantized tile can be bf16 without loss: an MX element has at most 4 significant bits
@@ -37,10 +37,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lowbit import formats as _formats
-from lowbit.formats import E4M3
-from lowbit.numerics import pow2
-from lowbit.qarray import E8M0_NAN, QArray, decode_elements
+from lowbit.core import formats as _formats
+from lowbit.core.formats import E4M3
+from lowbit.core.numerics import pow2
+from lowbit.core.qarray import E8M0_NAN, QArray, decode_elements
 from pallas_kernels._common import round_up
 from pallas_kernels.block_scaled_matmul.config import Config
 
@@ -87,7 +87,7 @@ def _load_quantized(codes_ref, scales_ref, k, bk: int, op: Operand, cdt):
         # [rows, quarter, 2, 2] with [.., a, b] = c_{2a+b}: joins only on the last axis
         c = jnp.stack([jnp.stack([c0, c2], axis=-1), jnp.stack([c1, c3], axis=-1)], axis=-1)
         c = c.reshape(rows, bk)
-    # lowbit's code tables and scale decoding (lowbit.qarray.dequantize), in integer ops
+    # lowbit's code tables and scale decoding (lowbit.core.qarray.dequantize), in integer ops
     vals = decode_elements(c, elem).reshape(rows, bk // bs, bs)
     nbk = bk // bs
     s = scales_ref[:, pl.ds(pl.multiple_of(k * nbk, nbk), nbk)].astype(jnp.int32)

@@ -1,6 +1,6 @@
 """The XLA reference of the block-scaled matmul: dequantize, then a float32 dot.
 
-``lowbit.qarray.dequantize`` each QArray operand to float32 (high-precision operands are
+``lowbit.core.qarray.dequantize`` each QArray operand to float32 (high-precision operands are
 upcast), multiply with ``Precision.HIGHEST`` (IEEE float32 on every backend: no TF32 on GPUs)
 and float32 accumulation, and cast to ``out_dtype``.
 """
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit.qarray import QArray, dequantize
+from lowbit.core.qarray import QArray, dequantize
 
 __all__ = ["block_scaled_matmul_reference", "dequantized"]
 

@@ -11,7 +11,7 @@ With ``hadamard=b`` the kernel quantizes lowbit's blockwise Hadamard transform o
 the quantized axis, computed on the tile it loaded; with a ``prescale`` (a recipe's
 ``QuantSpec.prescale``) the codes hold the elements times it (divide dequantized values by it):
 
->>> from lowbit.hadamard import random_signs
+>>> from lowbit.core.hadamard import random_signs
 >>> import jax
 >>> s = random_signs(jax.random.key(0), 32)
 >>> q = quantize(x, "mxfp4", axis=0, hadamard=32, signs=s, prescale=0.75, implementation="xla")
@@ -24,10 +24,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lowbit import formats as _formats
-from lowbit.implementation import Implementation
-from lowbit.plan import make_plan
-from lowbit.qarray import QArray
+from lowbit.core import formats as _formats
+from lowbit.core.plan import make_plan
+from lowbit.core.qarray import QArray
+from lowbit.gemm.implementation import Implementation
 from pallas_kernels._common import format_unsupported, select_implementation
 from pallas_kernels.quantize.config import Config, get_default
 from pallas_kernels.quantize.kernel import check_hadamard, quantize_pallas
@@ -56,7 +56,7 @@ def quantize(
 ) -> QArray:
     """Quantize the matrix ``x [R, C]`` along ``axis`` (0 or -1) to ``fmt``; a ``QArray``
     identical to ``lowbit.quantize(x, fmt, axis, ...)`` (see below for ``hadamard``,
-    ``prescale``). The options are checked once, into a ``lowbit.qarray.Plan`` (the one
+    ``prescale``). The options are checked once, into a ``lowbit.core.qarray.Plan`` (the one
     validated description of the quantizer) that the kernel takes.
 
     Args:
@@ -66,18 +66,18 @@ def quantize(
         0/-2 (columns, for the backward GEMMs).
       rounding, key, scale_mode, tensor_amax: as in ``lowbit.quantize``.
       hadamard: None, or a Hadamard block size (16..256, a divisor of ``x.shape[axis]``):
-        quantize ``lowbit.hadamard.hadamard_transform(x, hadamard, signs=signs, axis=axis)``
+        quantize ``lowbit.core.hadamard.hadamard_transform(x, hadamard, signs=signs, axis=axis)``
         (NVFP4's tensor amax is that of the transformed tensor). The kernel transforms each
         tile in registers with lowbit's fixed-order butterfly: bit-identical to
         ``hadamard_transform(..., method="butterfly")``, and to lowbit's default dense form
         wherever that form's arithmetic is exact (to float32 rounding elsewhere).
       signs: the ``[hadamard]`` vector of +-1 of a randomised transform (e.g.
-        ``lowbit.hadamard.random_signs``), or None.
-      prescale: a static positive float, ``lowbit.qarray.Plan.prescale`` (a recipe's
+        ``lowbit.core.hadamard.random_signs``), or None.
+      prescale: a static positive float, ``lowbit.core.qarray.Plan.prescale`` (a recipe's
         ``QuantSpec.prescale``): block scales are chosen from the (transformed) input, the
         scaled elements multiplied by ``prescale`` before rounding, so the codes hold the
-        prescaled elements; ``lowbit.qarray.undo_prescale`` divides the dequantized values
-        by it. Bit-identical to ``lowbit.qarray.quantize_with_plan``.
+        prescaled elements; ``lowbit.core.qarray.undo_prescale`` divides the dequantized values
+        by it. Bit-identical to ``lowbit.core.qarray.quantize_with_plan``.
       implementation: ``"xla"`` (the reference), ``"pallas"`` (the kernel; falls back to the
         reference with a warning when it cannot run), or None (the kernel on a GPU).
       config: the kernel's tile (default: :func:`get_default`).

@@ -17,8 +17,8 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from lowbit import formats
-from lowbit.hadamard import random_signs
+from lowbit.core import formats
+from lowbit.core.hadamard import random_signs
 from pallas_kernels._common import format_unsupported, on_gpu, time_fn
 from pallas_kernels.quantize.api import quantize
 from pallas_kernels.quantize.reference import quantize_reference

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lowbit import formats as _formats
+from lowbit.core import formats as _formats
 from pallas_kernels._common import is_pow2, next_pow2, pow2_divisor, round_up
 
 __all__ = ["Config", "get_default"]

@@ -12,14 +12,14 @@ FP8 and INT8). NVFP4's tensor amax is one reduction before the kernel (it needs 
 tensor): an XLA reduction of ``x``, or, with a Hadamard transform, a small Pallas kernel that
 transforms each tile the same way and writes its finite maximum.
 
-The result is bit-identical to ``lowbit.quantize`` (``lowbit.qarray.quantize_with_plan`` with
+The result is bit-identical to ``lowbit.quantize`` (``lowbit.core.qarray.quantize_with_plan`` with
 the plan's ``prescale``; tests/test_pallas_quantize.py); the numerics are lowbit's own, with the
 substitutes in :mod:`pallas_kernels._numerics`. Shapes that are not multiples of the tile are
 zero-padded before the kernel and the outputs sliced (zeros quantize to zero codes, as lowbit's
 own padding does).
 
 The Hadamard transform (``hadamard=b``) is the fixed-order butterfly of
-``lowbit.hadamard.hadamard_transform(..., method="butterfly")``, operation for operation: the
+``lowbit.core.hadamard.hadamard_transform(..., method="butterfly")``, operation for operation: the
 signs (exact), ``log2(b)`` stages of sums and differences, one multiplication by
 ``float32(1/sqrt(b))``, and the rounding to ``x``'s dtype that ``hadamard_transform`` returns.
 The stages are in constant-geometry order (each pairs the first half of every block with its
@@ -42,12 +42,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lowbit import formats as _formats
-from lowbit.formats import E4M3
-from lowbit.hadamard import BLOCK_SIZES as HADAMARD_SIZES
-from lowbit.numerics import hash_constants, hashed_bits, pow2
-from lowbit.plan import Plan
-from lowbit.qarray import E8M0_NAN, UE4M3_NAN, QArray, mx_scale_exponent, nvfp4_tensor_scale
+from lowbit.core import formats as _formats
+from lowbit.core.formats import E4M3
+from lowbit.core.hadamard import BLOCK_SIZES as HADAMARD_SIZES
+from lowbit.core.numerics import hash_constants, hashed_bits, pow2
+from lowbit.core.plan import Plan
+from lowbit.core.qarray import E8M0_NAN, UE4M3_NAN, QArray, mx_scale_exponent, nvfp4_tensor_scale
 from pallas_kernels import _numerics as nx
 from pallas_kernels._common import round_up
 from pallas_kernels.quantize.config import Config
@@ -167,7 +167,7 @@ def _kernel(
             idx = c.astype(jnp.uint32) * jnp.uint32(index_stride) + r.astype(jnp.uint32)
         rbits = hashed_bits(idx, key_ref[0], key_ref[1])
 
-    # The steps of lowbit.qarray's block quantizer, in its order.
+    # The steps of lowbit.core.qarray's block quantizer, in its order.
     if fmt.is_mx:
         e = mx_scale_exponent(amax, elem, scale_mode)
         scode = jnp.where(finite, e + 127, E8M0_NAN)
@@ -361,13 +361,13 @@ def quantize_pallas(
     hadamard: int | None = None,
     signs: jax.Array | None = None,
 ) -> QArray:
-    """The kernel for a checked ``plan`` (``lowbit.qarray.make_plan`` of the 2-D ``x``, 1-D
+    """The kernel for a checked ``plan`` (``lowbit.core.qarray.make_plan`` of the 2-D ``x``, 1-D
     blocks of the format's own size along axis 0 or 1): the format, scale rule, rounding and
     prescale all come from the plan (see :func:`pallas_kernels.quantize.quantize`).
 
     ``hadamard``, ``signs``: quantize ``hadamard_transform(x, hadamard, signs=signs,
     axis=axis)``, transformed inside the kernel. With ``plan.prescale`` the codes hold the
-    prescaled elements (divide dequantized values by it: ``lowbit.qarray.undo_prescale``).
+    prescaled elements (divide dequantized values by it: ``lowbit.core.qarray.undo_prescale``).
     """
     fmt = plan.fmt
     if len(plan.shape) != 2 or plan.block_shape != (fmt.block_size,) or plan.shape != x.shape:

@@ -1,10 +1,10 @@
 """The XLA reference of the quantize kernel: lowbit's Hadamard transform and quantizer.
 
 ``quantize_reference(x, fmt, axis, ...)`` is ``lowbit.quantize`` itself, preceded, with
-``hadamard=b``, by ``lowbit.hadamard.hadamard_transform(x, b, signs=signs, axis=axis)``, and
-with a ``prescale`` by ``lowbit.qarray.quantize_with_plan`` for ``make_plan(...,
+``hadamard=b``, by ``lowbit.core.hadamard.hadamard_transform(x, b, signs=signs, axis=axis)``, and
+with a ``prescale`` by ``lowbit.core.qarray.quantize_with_plan`` for ``make_plan(...,
 prescale=prescale)``. The
-kernel must return the very same :class:`lowbit.qarray.QArray` (codes, scales, tensor scale,
+kernel must return the very same :class:`lowbit.core.qarray.QArray` (codes, scales, tensor scale,
 bit for bit) for a 2-D input quantized along axis 0 or 1 with 1-D blocks: always without a
 Hadamard transform, and with one where the transform's arithmetic is exact or where the
 reference transforms with ``hadamard_method="butterfly"`` (the kernel's fixed order).
@@ -16,10 +16,10 @@ import functools
 
 import jax
 
-from lowbit import formats as _formats
-from lowbit.hadamard import hadamard_transform
-from lowbit.plan import make_plan
-from lowbit.qarray import QArray, quantize_with_plan
+from lowbit.core import formats as _formats
+from lowbit.core.hadamard import hadamard_transform
+from lowbit.core.plan import make_plan
+from lowbit.core.qarray import QArray, quantize_with_plan
 
 __all__ = ["quantize_reference"]
 

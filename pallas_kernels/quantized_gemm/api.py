@@ -27,7 +27,7 @@ interpret mode): export for one platform at a time. The op is not differentiable
 inside ``dot_general``'s custom VJP): differentiating it would differentiate the kernel branch.
 
 >>> import jax.numpy as jnp
->>> from lowbit.recipes import QuantSpec
+>>> from lowbit.gemm.recipes import QuantSpec
 >>> a, b = jnp.ones((4, 64)), jnp.ones((64, 8))
 >>> c = quantized_gemm(a, b, QuantSpec("mxfp8"), QuantSpec("mxfp4"), None, None)
 >>> c.shape, float(c[0, 0])
@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit.implementation import Implementation, resolve
-from lowbit.recipes import QuantSpec
+from lowbit.gemm.implementation import Implementation, resolve
+from lowbit.gemm.recipes import QuantSpec
 from pallas_kernels.quantized_gemm.kernel import kernel_supports, quantized_gemm_pallas
 from pallas_kernels.quantized_gemm.reference import quantized_gemm_reference
 
@@ -83,7 +83,7 @@ def quantized_gemm(
 
     Args:
       a, b: floating-point matrices (used as float32).
-      spec_a, spec_b: each operand's :class:`~lowbit.recipes.QuantSpec`, or None for a
+      spec_a, spec_b: each operand's :class:`~lowbit.gemm.recipes.QuantSpec`, or None for a
         high-precision operand (weight-only GEMMs).
       key_a, key_b: uint32[2] key data (or typed keys) for the operand's stochastic
         rounding; exactly the keys ``lowbit.dot_general`` passes to ``quantize_operand``
@@ -91,7 +91,7 @@ def quantized_gemm(
       hadamard: block size of a Hadamard transform along K applied to both operands first
         (``GemmSpec.hadamard``), or None; ``signs``: its float32 ``[hadamard]`` +-1 signs.
       implementation: ``"xla"``, ``"pallas"``, None (module docstring), or the
-        ``lowbit.implementation.Implementation`` they resolve to.
+        ``lowbit.gemm.implementation.Implementation`` they resolve to.
       interpret: run the kernel path in Pallas interpret mode on any platform (testing).
         Specs that :func:`kernel_supports` rejects run the emulation either way (with
         ``interpret=True`` or ``implementation="pallas"``, with a warning).

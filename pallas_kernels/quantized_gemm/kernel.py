@@ -2,18 +2,24 @@
 block-scaled matmul kernel on the packed codes.
 
 Each quantized operand goes through ``pallas_kernels.quantize`` along K (``a`` along axis 1,
-``b`` along axis 0; bit-exact with lowbit's quantizer, stochastic rounding included). The
-GEMM's Hadamard transform runs inside that kernel, on the tile it loaded (lowbit's fixed-order
-butterfly), and a recipe's ``prescale`` goes with the operand's checked quantization plan
-(``lowbit.operand.spec_plan``, the plan the XLA path quantizes with): the codes hold the
-prescaled elements and the matmul's float32 result is divided by the two prescales. Two cases
-transform in XLA first (the same ``lowbit.hadamard`` call as the emulation): a high-precision (None)
-operand, which enters the matmul in float32 (the weight-only GEMM), and a ``clip_rms`` spec,
-whose RMS clip (XLA) reads the transformed operand. It matches the emulation to
-float32-accumulation tolerance: the quantized values are the same, only the order of the
-float32 sums, where NVFP4's tensor scale and the prescales are applied, and (on inputs where the
-transform's float32 arithmetic is inexact) the butterfly's against the dense form's rounding
-differ.
+``b`` along axis 0; bit-exact with lowbit's quantizer, stochastic rounding included), on the
+operand's checked quantization plan (``lowbit.gemm.operand.spec_plan``, the very plan the
+XLA path quantizes with: format, scale rule, rounding and ``prescale``). The GEMM's Hadamard
+transform runs inside that kernel, on the tile it loaded (lowbit's fixed-order butterfly);
+the codes hold the prescaled elements and the matmul's float32 result is divided by the two
+prescales. Two cases transform in XLA first (the same ``lowbit.core.hadamard`` call as the
+emulation): a high-precision (None) operand, which enters the matmul in float32 (the
+weight-only GEMM), and a ``clip_rms`` spec, whose RMS clip (XLA) reads the transformed
+operand. It matches the emulation to float32-accumulation tolerance: the quantized values are
+the same, only the order of the float32 sums, where NVFP4's tensor scale and the prescales
+are applied, and (on inputs where the transform's float32 arithmetic is inexact) the
+butterfly's against the dense form's rounding differ.
+
+This path calls the two kernels' entry points (``quantize_pallas`` on a checked plan,
+``matmul_pallas``), not their ops' ``api.py``: an ``api.py`` chooses its implementation from
+JAX's default backend when it is traced, while ``quantized_gemm`` runs this path in the CUDA
+branch of a ``lax.platform_dependent``, which is traced on every machine (a CPU included, to
+export for CUDA) and lowered only for CUDA; the api's choice would be the CPU's there.
 """
 
 from __future__ import annotations
@@ -21,10 +27,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lowbit import formats as _formats
-from lowbit.operand import clip_to_rms, hadamard_along, spec_plan
-from lowbit.qarray import undo_prescale
-from lowbit.recipes import QuantSpec
+from lowbit.core import formats as _formats
+from lowbit.core.qarray import undo_prescale
+from lowbit.gemm.operand import clip_to_rms, hadamard_along, spec_plan
+from lowbit.gemm.recipes import QuantSpec
 from pallas_kernels._common import format_unsupported, is_pow2
 from pallas_kernels.block_scaled_matmul import get_default as _matmul_default
 from pallas_kernels.block_scaled_matmul.kernel import matmul_pallas
@@ -39,7 +45,7 @@ def _spec_unsupported(spec: QuantSpec | None, name: str) -> str | None:
     if spec is None:
         return None
     if not isinstance(spec, QuantSpec):
-        raise TypeError(f"{name} must be a lowbit.recipes.QuantSpec or None, got {spec!r}")
+        raise TypeError(f"{name} must be a lowbit.gemm.recipes.QuantSpec or None, got {spec!r}")
     if spec.granularity != "block":
         return (
             f"{name}: granularity={spec.granularity!r} ({spec.format} with one scale per "

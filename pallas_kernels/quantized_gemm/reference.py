@@ -1,7 +1,7 @@
 """The XLA emulation of one quantized GEMM: the reference the kernel path must match.
 
 Both operands are prepared exactly as ``lowbit.dot_general`` prepares the operands of each of
-its GEMMs (``lowbit.operand.quantize_operand``: the optional Hadamard transform along K, then
+its GEMMs (``lowbit.gemm.operand.quantize_operand``: the optional Hadamard transform along K, then
 block quantization along K, dequantized to float32), then multiplied with float32
 accumulation.
 """
@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit.operand import quantize_operand
-from lowbit.recipes import QuantSpec
+from lowbit.gemm.operand import quantize_operand
+from lowbit.gemm.recipes import QuantSpec
 
 __all__ = ["quantized_gemm_reference"]
 

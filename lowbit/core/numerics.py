@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lowbit.formats import ElementFormat
+from lowbit.core.formats import ElementFormat
 
 __all__ = [
     "pow2",
@@ -98,7 +98,7 @@ def ieee_div(a, b) -> jax.Array:
     NaN or Inf; ``b * 0`` covers a constant ``a``, whose ``a * 0`` does fold), so the divisor
     is an elementwise value of ``a``'s shape, neither operand is a quotient, and XLA divides
     exactly. The last two rewrites were found by the native CPU kernel's cross-check
-    (``lowbit/native.py``): they moved NVFP4 block scales by 1 ulp, which flipped roundings
+    (``lowbit/core/native.py``): they moved NVFP4 block scales by 1 ulp, which flipped roundings
     in training. A NaN or Inf operand makes the quotient NaN; lowbit divides only where that
     value is NaN anyway or unused.
     """

@@ -4,7 +4,7 @@ XLA:CPU cannot fuse a reduction into the loop that consumes it, so the XLA emula
 every block twice: once for the block maxima, once to scale and round. On a 4096 x 4096
 float32 array, against a memory-bound ``x * 2 + 1`` on 2 cores, that costs 1.35-1.45x for MX
 formats with nearest rounding and 1.5-1.65x with stochastic rounding or NVFP4; the kernel in
-``lowbit/_native/fake_quantize_cpu.cc`` reads each block once, while it is in L1: 1.08-1.13x,
+``lowbit/core/_native/fake_quantize_cpu.cc`` reads each block once, while it is in L1: 1.08-1.13x,
 1.18-1.29x (``benchmarks/bench_quantize.py``, both paths side by side; a training step of
 the ``s`` GPT under MX recipes is 10 % faster, ``bench_step.py``). It computes what the XLA
 path computes, bit for bit (``tests/test_native.py`` compares them over every format, scale
@@ -13,7 +13,7 @@ mode, rounding, axis, gain and special value), so which path ran never changes a
 Fused Hadamard transform. Recipes rotate a GEMM operand along its contraction axis right
 before quantizing it (``qarray.fake_quantize_with_plan(..., hadamard=b, signs=s)``); on
 XLA:CPU the transform costs several memory passes. The kernel applies it to each chunk while
-the chunk is in cache, following ``lowbit.hadamard``'s butterfly operation for operation, so
+the chunk is in cache, following ``lowbit.core.hadamard``'s butterfly operation for operation, so
 its values are those of ``hadamard_transform(x, b, signs=s, method="butterfly")`` then the XLA
 quantizer, bit for bit (NVFP4's own tensor amax is that of the transformed tensor: a first
 pass transforms and reduces). Measured with ``bench_quantize.py`` (4096 x 4096, two runs of
@@ -79,8 +79,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit import hadamard as _hadamard
-from lowbit.numerics import key_words
+from lowbit.core import hadamard as _hadamard
+from lowbit.core.numerics import key_words
 
 __all__ = [
     "TARGET",
@@ -314,14 +314,14 @@ def kernel_format(fmt) -> bool:
 
 
 def supports(plan, hadamard: int | None = None) -> bool:
-    """Whether the kernel handles this quantization plan (``lowbit.plan.Plan``), with a fused
+    """Whether the kernel handles this quantization plan (``lowbit.core.plan.Plan``), with a fused
     Hadamard transform of block ``hadamard`` along the plan's axis when that is not None.
 
     1-D blocks along any axis and 2-D tiles over any two axes; a Hadamard block only with
-    1-D blocks, of a size in ``lowbit.hadamard.BLOCK_SIZES`` that divides the axis length.
+    1-D blocks, of a size in ``lowbit.core.hadamard.BLOCK_SIZES`` that divides the axis length.
     Stochastic rounding needs fewer than 2**32 (padded) elements.
 
-    >>> from lowbit import qarray
+    >>> from lowbit.core import qarray
     >>> plan = qarray.make_plan((64, 64), "mxfp4", -1, None, None, "nearest", None, None)
     >>> supports(plan), supports(plan, 32), supports(plan, 48)
     (True, True, False)
@@ -344,11 +344,11 @@ def fake_quantize(
 ) -> jax.Array:
     """``xla_fn(x)`` on every platform but CPU, where the kernel computes the same values.
 
-    ``x`` is the caller's array (any float dtype), ``plan`` a ``lowbit.plan.Plan`` for which
+    ``x`` is the caller's array (any float dtype), ``plan`` a ``lowbit.core.plan.Plan`` for which
     :func:`supports` holds, ``key`` uint32[2] key data (stochastic plans), ``tensor_amax``
     NVFP4's calibrated amax or None. ``hadamard`` (a block size) and ``signs`` (float32
     ``[hadamard]`` of +-1, or None): transform along the plan's axis first, as
-    ``lowbit.hadamard.hadamard_transform(..., method="butterfly")`` does, bit for bit (an
+    ``lowbit.core.hadamard.hadamard_transform(..., method="butterfly")`` does, bit for bit (an
     NVFP4 tensor amax of its own is then that of the transformed tensor). For an ``x`` other
     than float32 the XLA path rounds the transformed tensor to ``x``'s dtype: so does this
     one, with the butterfly in XLA and the kernel quantizing its result.
@@ -398,7 +398,7 @@ def _geometry(plan) -> dict[str, np.int64]:
 
 
 def plan_attributes(plan) -> dict[str, np.generic]:
-    """The kernel's static FFI attributes, all derived from ``plan`` (a ``lowbit.plan.Plan``):
+    """The kernel's static FFI attributes, all derived from ``plan`` (a ``lowbit.core.plan.Plan``):
     the element grid, the scale rule, the prescale, the rounding and the geometry. A new
     quantizer option of the plan reaches the kernel here and nowhere else."""
     fmt, elem = plan.fmt, plan.fmt.elem

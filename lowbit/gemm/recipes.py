@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from lowbit import formats as _formats
-from lowbit.plan import ROUNDINGS, check_prescale, scale_mode_of
+from lowbit.core import formats as _formats
+from lowbit.core.plan import ROUNDINGS, check_prescale, scale_mode_of
 
 __all__ = [
     "QuantSpec",

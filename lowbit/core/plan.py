@@ -4,12 +4,12 @@ A plan holds the block format, the blocking of the tensor (quantized axes, block
 permutation to storage order, the padded extents) and the quantizer's options, resolved:
 the scale rule (:func:`scale_mode_of`, the one place a scale mode is checked and
 defaulted), the rounding and the prescale. :func:`make_plan` is its only maker; lowbit's XLA
-path (``lowbit.qarray``), the compiled CPU kernel (``lowbit.native`` derives its FFI
+path (``lowbit.core.qarray``), the compiled CPU kernel (``lowbit.core.native`` derives its FFI
 attributes from the plan) and the Pallas quantize kernel (``pallas_kernels.quantize``) all
 take a plan and none checks or defaults an option again: a new quantizer option is a field
 here and a branch in the implementations that compute it.
 
->>> from lowbit.plan import make_plan
+>>> from lowbit.core.plan import make_plan
 >>> p = make_plan((4, 64), "mxfp4", -1, None, None, "nearest", None, None)
 >>> p.block_shape, p.padded, p.scale_mode
 ((32,), (64,), 'floor')
@@ -26,8 +26,8 @@ import numbers
 import jax
 import numpy as np
 
-from lowbit import formats as _formats
-from lowbit.formats import BlockFormat
+from lowbit.core import formats as _formats
+from lowbit.core.formats import BlockFormat
 
 __all__ = ["Plan", "make_plan", "scale_mode_of", "check_prescale", "SCALE_MODES", "ROUNDINGS"]
 
@@ -41,7 +41,7 @@ ROUNDINGS = ("nearest", "stochastic")
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The one validated description of how to quantize a tensor (made by :func:`make_plan`):
-    the XLA path, the compiled CPU kernel (``lowbit.native`` derives its FFI attributes from
+    the XLA path, the compiled CPU kernel (``lowbit.core.native`` derives its FFI attributes from
     it) and the Pallas quantize kernel (``pallas_kernels.quantize``) all take it, and none
     checks or defaults an option again.
 

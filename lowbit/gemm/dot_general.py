@@ -27,17 +27,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lowbit import hadamard as _hadamard
-from lowbit import recipes as _recipes
-from lowbit.implementation import Implementation, kernel, resolve
-from lowbit.operand import (
+from lowbit.core import hadamard as _hadamard
+from lowbit.gemm import recipes as _recipes
+from lowbit.gemm.implementation import Implementation, kernel, resolve
+from lowbit.gemm.operand import (
     barrier,
     fold_key,
     gemm_signs,
     prepare_operand,
     unpack_operand,
 )
-from lowbit.recipes import GemmSpec, Recipe
+from lowbit.gemm.recipes import GemmSpec, Recipe
 
 __all__ = [
     "dot_general",
@@ -451,14 +451,14 @@ def dot_general(
         (lhs_batch, rhs_batch))``; any number of contracting and batch dims (blocks run
         along the last contracting dim of each operand, and in the backward GEMMs along the
         last free dim).
-      recipe: a name from ``lb.recipes.names()`` or a :class:`~lowbit.recipes.Recipe`.
+      recipe: a name from ``lb.recipes.names()`` or a :class:`~lowbit.gemm.recipes.Recipe`.
       key: PRNG key (stochastic rounding, random Hadamard signs); derive a new one per step.
       preferred_element_type: output dtype (default: the operands' result type).
       precision: accepted for signature compatibility with ``lax.dot_general`` (Flax passes
         it); quantized GEMMs always accumulate in float32.
       implementation: ``None`` (default: the best available for the backend), ``"xla"``,
-        ``"pallas"``, or an :class:`~lowbit.implementation.Implementation` already resolved
-        (see :mod:`lowbit.implementation`).
+        ``"pallas"``, or an :class:`~lowbit.gemm.implementation.Implementation` already resolved
+        (see :mod:`lowbit.gemm.implementation`).
         ``"xla"`` is the pure-XLA emulation, the reference. ``"pallas"``: the three GEMMs of
         a plain ``x [..., K] @ w`` go through ``pallas_kernels.quantized_gemm``, which lowers
         the Pallas kernels for CUDA and the emulation elsewhere (other dimension numbers, and

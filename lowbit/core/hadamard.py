@@ -54,14 +54,14 @@ for b = 16..64, 4x at 128 and 8.5x at 256, the butterfly 10-27x; along a leading
 weight-gradient GEMM's operands, blocked along tokens) the dense form costs 5-8x for b <= 64,
 the butterfly 6-17x, and the butterfly wins from b = 128. The table in :func:`default_method`
 follows these numbers. (In CPU training the quantizer's compiled kernel applies the transform
-itself, fused with the quantization: see ``lowbit.native``.)
+itself, fused with the quantization: see ``lowbit.core.native``.)
 
 Both forms are plain ``jax.numpy`` / ``lax`` linear ops, so ``jit``, ``vmap``, ``jvp`` and
 ``grad`` work as usual; the gradient of a transform is its transpose (``inverse=True`` with the
 same signs).
 
 >>> import jax, jax.numpy as jnp
->>> from lowbit.hadamard import hadamard_transform, random_signs
+>>> from lowbit.core.hadamard import hadamard_transform, random_signs
 >>> x = jnp.zeros((2, 32)).at[:, 3].set(8.0)  # one outlier per block of 16
 >>> y = hadamard_transform(x, 16)
 >>> float(jnp.abs(y).max())  # 8 / sqrt(16)

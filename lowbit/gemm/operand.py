@@ -1,15 +1,15 @@
 """One GEMM operand: Hadamard transform and quantization along the GEMM's contraction axis.
 
-The layer between the quantizers (``lowbit.qarray``) and the GEMM implementations
+The layer between the quantizers (``lowbit.core.qarray``) and the GEMM implementations
 (``lowbit.dot_general``'s XLA emulation, ``pallas_kernels.quantized_gemm``): every GEMM of a
 recipe prepares each operand here, so the emulation and the kernels quantize from the same
-definition. ``native`` (default True) lets the compiled CPU kernel (``lowbit.native``) run the
+definition. ``native`` (default True) lets the compiled CPU kernel (``lowbit.core.native``) run the
 quantizer, with the Hadamard transform fused into it, where it applies; ``native=False`` is the
 pure-XLA reference (``implementation="xla"``).
 
 >>> import jax.numpy as jnp
->>> from lowbit.operand import quantize_operand
->>> from lowbit.recipes import QuantSpec
+>>> from lowbit.gemm.operand import quantize_operand
+>>> from lowbit.gemm.recipes import QuantSpec
 >>> quantize_operand(jnp.array([[0.3, -1.7, 5.0, 100.0] * 8]), QuantSpec("mxfp4"), 1, 0,
 ...                  None)[0, :4].tolist()
 [0.0, -0.0, 8.0, 96.0]
@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit import formats as _formats
-from lowbit import hadamard as _hadamard
-from lowbit import qarray as _qa
-from lowbit.numerics import exponent, ieee_div, materialize, pow2, round_to_grid, uniform_bits
-from lowbit.plan import Plan, make_plan
-from lowbit.recipes import GEMMS, GemmSpec, QuantSpec
+from lowbit.core import formats as _formats
+from lowbit.core import hadamard as _hadamard
+from lowbit.core import qarray as _qa
+from lowbit.core.numerics import exponent, ieee_div, materialize, pow2, round_to_grid, uniform_bits
+from lowbit.core.plan import Plan, make_plan
+from lowbit.gemm.recipes import GEMMS, GemmSpec, QuantSpec
 
 __all__ = [
     "quantize_operand",
@@ -197,9 +197,9 @@ def std_scaled_quantize(x, spec: QuantSpec, axis: int, key=None):
 
 
 def spec_plan(spec: QuantSpec, shape, axes, key, tensor_amax=None) -> Plan:
-    """The checked ``lowbit.plan.Plan`` of a block-granularity ``spec`` for an operand of ``shape``
-    quantized along ``axes`` (an axis, or the pair a 2-D tile spans): what the XLA path, the
-    compiled CPU kernel and the Pallas quantize kernel all take."""
+    """The checked ``lowbit.core.plan.Plan`` of a block-granularity ``spec`` for an operand of
+    ``shape`` quantized along ``axes`` (an axis, or the pair a 2-D tile spans): what the XLA
+    path, the compiled CPU kernel and the Pallas quantize kernel all take."""
     return make_plan(shape, spec.format, axes, spec.block_shape, spec.scale_mode,
                          spec.rounding, key if spec.stochastic else None, tensor_amax,
                          prescale=spec.prescale)

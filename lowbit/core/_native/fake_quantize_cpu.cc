@@ -4,8 +4,8 @@
 // XLA:CPU cannot fuse a reduction into its consumer, so the XLA emulation reads every block
 // twice (block maxima, then scale and round), and a Hadamard transform before it costs
 // several more passes. This XLA FFI handler transforms, reduces, scales and rounds a chunk
-// while it is in L1/L2. It computes exactly what the XLA path (lowbit/qarray.py,
-// lowbit/numerics.py, and lowbit/hadamard.py's butterfly) computes, operation for
+// while it is in L1/L2. It computes exactly what the XLA path (lowbit/core/qarray.py,
+// lowbit/core/numerics.py, and lowbit/core/hadamard.py's butterfly) computes, operation for
 // operation, and tests/test_native.py checks that bit for bit; change one, change the other.
 //
 // Layout. x is float32 [nbatch, P, A, M, C, Q] (row-major, unpadded). Blocks are tiles of
@@ -27,7 +27,7 @@
 // Hadamard (1-D blocks only, along C): blocks of `hadamard` consecutive elements along C
 // (the axis length is a multiple of it), each multiplied by the signs, then butterfly stages
 // h = b/2, ..., 1 replacing (v[i], v[i + h]) by (v[i] + v[i + h], v[i] - v[i + h]), then
-// multiplied by float32(1 / sqrt(b)): lowbit.hadamard's "butterfly" form, whose arithmetic
+// multiplied by float32(1 / sqrt(b)): lowbit.core.hadamard's "butterfly" form, whose arithmetic
 // is fixed (the grouping of independent pairs into vectors changes no value). A segment
 // (rows) or a band (strided) holds whole Hadamard blocks and whole quantization blocks: it
 // is transformed into a buffer, which is then quantized like x. The NVFP4 tensor amax is that
@@ -82,7 +82,7 @@ inline float Float(uint32_t u) {
 // 2**e for integer e in [-126, 127], from the exponent bits.
 inline float Pow2(int e) { return Float(uint32_t(e + 127) << 23); }
 
-// MurmurHash3's 32-bit finaliser (lowbit.numerics.fmix32).
+// MurmurHash3's 32-bit finaliser (lowbit.core.numerics.fmix32).
 inline uint32_t Fmix32(uint32_t h) {
   h ^= h >> 16;
   h *= 0x85EBCA6Bu;
@@ -136,7 +136,7 @@ struct Grid {
   }
 };
 
-// lowbit.numerics.round_to_grid for |v|, nearest-even: (|v| + M) - M with M from |v|'s own
+// lowbit.core.numerics.round_to_grid for |v|, nearest-even: (|v| + M) - M with M from |v|'s own
 // exponent field. `a` is finite, non-negative and at most grid.max.
 inline float RoundNearest(float a, const Grid& g) {
   uint32_t field = std::max(Bits(a) >> 23, g.emin_field);
@@ -144,7 +144,7 @@ inline float RoundNearest(float a, const Grid& g) {
   return (a + magic) - magic;
 }
 
-// lowbit.numerics.round_to_grid for |v|, stochastic, driven by 32 random bits.
+// lowbit.core.numerics.round_to_grid for |v|, stochastic, driven by 32 random bits.
 inline float RoundStochastic(float a, uint32_t rbits, const Grid& g) {
   float normal = Float((Bits(a) + (rbits >> (32 - g.shift))) & ~g.low);
   float y = a * g.inv_step;
@@ -367,7 +367,7 @@ void FactorsOf(const uint32_t* m, int64_t n, const Config& c, float t, const Gri
 }
 
 // --------------------------------------------------------------------------------------------
-// The Hadamard butterfly (lowbit.hadamard, method="butterfly"), on 8-float vectors (GCC/Clang
+// The Hadamard butterfly (lowbit.core.hadamard, method="butterfly"), on 8-float vectors (GCC/Clang
 // vector extensions: AVX2/AVX-512 on x86, NEON pairs elsewhere).
 
 typedef float V8 __attribute__((vector_size(32)));

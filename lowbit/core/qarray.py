@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lowbit import formats as _formats
-from lowbit import hadamard as _hadamard
-from lowbit import native as _native
-from lowbit.formats import E4M3, BlockFormat, ElementFormat
-from lowbit.numerics import (
+from lowbit.core import formats as _formats
+from lowbit.core import hadamard as _hadamard
+from lowbit.core import native as _native
+from lowbit.core.formats import E4M3, BlockFormat, ElementFormat
+from lowbit.core.numerics import (
     exponent,
     ieee_div,
     ldexp_exact,
@@ -41,7 +41,7 @@ from lowbit.numerics import (
     round_to_grid,
     uniform_bits,
 )
-from lowbit.plan import (  # the plan's home; re-exported here for qarray's callers
+from lowbit.core.plan import (  # the plan's home; re-exported here for qarray's callers
     ROUNDINGS,
     SCALE_MODES,
     Plan,
@@ -565,8 +565,8 @@ def fake_quantize_with_plan(
     """Fake-quantized ``x`` per a checked ``plan``, and (``want_clip``) where it saturated.
 
     With ``hadamard=b`` (a 1-D plan only), ``x`` is first transformed along the plan's axis by
-    ``lowbit.hadamard.hadamard_transform(x, b, signs=signs)`` and the result, in the rotated
-    basis, is quantized. ``native`` allows the compiled CPU kernel (``lowbit.native``) where it
+    ``lowbit.core.hadamard.hadamard_transform(x, b, signs=signs)`` and the result, in the rotated
+    basis, is quantized. ``native`` allows the compiled CPU kernel (``lowbit.core.native``) where it
     applies and is active: it computes the XLA path's values bit for bit, except that its
     fused Hadamard follows the butterfly's fixed arithmetic (``method="butterfly"``), which
     the XLA path's default dense form matches to float32 rounding. Returns ``(y, clipped)``
@@ -585,7 +585,7 @@ def fake_quantize_with_plan(
                                             method=method)
 
     if native and not want_clip and _native.supports(plan, hadamard) and _native.active():
-        # On CPU, the compiled one-pass kernel (see lowbit/native.py).
+        # On CPU, the compiled one-pass kernel (see lowbit/core/native.py).
         def xla(x):
             return fake_quantize_with_plan_xla(rotate(x), key, tensor_amax, plan, False)[0]
 

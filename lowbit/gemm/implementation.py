@@ -25,11 +25,11 @@ of what ``"pallas"`` means, not a second decision. A GEMM the kernels cannot tak
 emulation; when ``"pallas"`` was asked for by name, it says so with a warning that names the
 shape or spec and the kernel's constraint (:attr:`Implementation.warns`).
 
-``cpu_kernel`` allows the compiled CPU kernel (:mod:`lowbit.native`) to run the emulation's
-quantizers; whether it does is ``lowbit.native``'s process policy (``LOWBIT_NATIVE=auto|on|off``,
-``lb.native.mode``), read when the quantizer is traced.
+``cpu_kernel`` allows the compiled CPU kernel (:mod:`lowbit.core.native`) to run the
+emulation's quantizers; whether it does is ``lowbit.core.native``'s process policy
+(``LOWBIT_NATIVE=auto|on|off``, ``lb.native.mode``), read when the quantizer is traced.
 
->>> from lowbit.implementation import resolve
+>>> from lowbit.gemm.implementation import resolve
 >>> resolve("xla")
 Implementation(requested='xla', gemm='xla', cpu_kernel=False, interpret=False)
 >>> resolve(None, backend="cpu").label, resolve(None, backend="gpu").label

@@ -1,8 +1,8 @@
 """Element, scale and block formats, and the registry of format names.
 
 A format is data: frozen dataclasses that describe an encoding. The operations that use them
-(quantize, dequantize, rounding) are free functions in :mod:`lowbit.numerics` and
-:mod:`lowbit.qarray`.
+(quantize, dequantize, rounding) are free functions in :mod:`lowbit.core.numerics` and
+:mod:`lowbit.core.qarray`.
 
 >>> import lowbit as lb
 >>> f = lb.formats.get("mxfp4")
