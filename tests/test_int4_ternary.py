@@ -250,7 +250,7 @@ def test_kernels_decline_int4_and_ternary_with_a_reason():
         assert not ok and "granularity='row'" in why
         ok, why = kernel_supports(QuantSpec("mxfp8"), QuantSpec(fmt))
         assert not ok and fmt in why
-    plan = lb.qarray.make_plan((8, 32), "int4", -1, None, None, "nearest", None, None)
+    plan = lb.core.plan.make_plan((8, 32), "int4", -1, None, None, "nearest", None, None)
     assert not lb.native.supports(plan)
     import pallas_kernels.quantize as pq
 
