@@ -50,6 +50,7 @@ from experiments.config import RunConfig, quant_rules, split_list
 from experiments.configlib import ConfigError
 from lowbit import autoquant
 from lowbit.bits import storage_bits
+from lowbit.io.tree import keypath_str, path_str
 
 __all__ = [
     "WeightMemory",
@@ -120,7 +121,7 @@ def weight_memory(model: nnx.Module, rules) -> WeightMemory:
     params = bits = q_params = q_bits = 0
     leaves = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
     for keypath, leaf in leaves:
-        name = lbf.path_str(lbf.keypath_str(keypath))
+        name = path_str(keypath_str(keypath))
         n = math.prod(leaf.shape)
         if name in quantized:
             b = quantized.pop(name)[1]

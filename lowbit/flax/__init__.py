@@ -55,7 +55,6 @@ from lowbit.flax.api import describe, pack, quantize, sites
 from lowbit.flax.packing import Row, packed_nbytes, unpack
 from lowbit.gemm.implementation import IMPLEMENTATIONS
 from lowbit.io import CheckpointError, checkpoint, restore, save
-from lowbit.io.tree import keypath_str, path_str  # noqa: F401  (experiments.pareto names them)
 
 __all__ = [
     "quantize",
