@@ -25,14 +25,29 @@ CASES = [
 ]
 
 
+def _packed(fmt, shape, axis, block_shape):
+    """The QArray ``lb.quantize`` returns, its arrays abstract (shapes and dtypes: all that
+    its bytes depend on; ``jax.eval_shape`` traces without compiling)."""
+    x = jax.ShapeDtypeStruct(shape, jax.numpy.float32)
+    return jax.eval_shape(lambda x: lb.quantize(x, fmt, axis=axis, block_shape=block_shape), x)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_abstract_packed_arrays_have_the_bytes_of_concrete_ones(fmt):
+    shape, axis, block_shape = CASES[2]  # padded along the blocks
+    x = jax.random.normal(jax.random.key(0), shape)
+    q = lb.quantize(x, fmt, axis=axis, block_shape=block_shape)
+    a = _packed(fmt, shape, axis, block_shape)
+    assert q.nbytes == a.nbytes and leaf_nbytes(q) == leaf_nbytes(a) == q.nbytes
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape,axis,block_shape", CASES)
 def test_storage_bits_equal_the_bytes_of_packed_arrays(fmt, shape, axis, block_shape):
     f = lb.formats.get(fmt)
     if block_shape is not None and (f.is_absmean or block_shape[-1] % f.elem.pack_group[0]):
         pytest.skip(f"{fmt} takes no {block_shape} tiles")
-    x = jax.random.normal(jax.random.key(0), shape)
-    q = lb.quantize(x, fmt, axis=axis, block_shape=block_shape)
+    q = _packed(fmt, shape, axis, block_shape)
     spec = QuantSpec(fmt, block_shape=block_shape)
     assert storage_bits(spec, shape, axes=q.axes) == 8 * q.nbytes
     assert leaf_nbytes(q) == q.nbytes

@@ -30,7 +30,7 @@ def tiny(monkeypatch):
     monkeypatch.setattr(gpu_check, "HADAMARD_CASES", [("mxfp4", "stochastic", 32, 0.75)])
     monkeypatch.setattr(gpu_check, "MATMUL_PAIRS", [(None, "mxfp6_e2m3")])
     monkeypatch.setattr(gpu_check, "GEMM", (64, 128, 64))
-    monkeypatch.setattr(gpu_check, "GEMM_RECIPES", ["mxfp4_bwd"])  # its dgrad and wgrad
+    monkeypatch.setattr(gpu_check, "GEMM_RECIPES", ["nvfp4"])  # its wgrad (dgrad: 16x16 tiles)
     fast = functools.partial(_common.time_fn, batches=1, calls=1, warmup=1)
     monkeypatch.setattr(gpu_check, "time_fn", fast)
 
@@ -40,16 +40,16 @@ def test_gpu_mode_runs_end_to_end(tiny, capsys):
     assert gpu_check.run_gpu(budget_s=600) == 0
     out = capsys.readouterr().out
     assert "0 failed, 0 skipped" in out and "bit-exact" in out and "speed-up" in out
-    assert out.count("quantized_gemm mxfp4_bwd") == 2 and "XLA emulation" in out
+    assert out.count("quantized_gemm nvfp4") == 1 and "XLA emulation" in out
 
 
 def test_dry_run(tiny, capsys):
     assert gpu_check.run_dry() == 0
     out = capsys.readouterr().out
     # 4 quantize (2 axes x 2 roundings) + 1 decode-shape quantize + 2 fused Hadamard and gain
-    # (2 axes) + 1 pair x 2 GEMM shapes + mxfp4_bwd's two backward GEMMs end to end
-    assert out.count("lowers for CUDA") == 11 and "0 failed" in out
-    assert out.count("quantized_gemm mxfp4_bwd") == 2
+    # (2 axes) + 1 pair x 2 GEMM shapes + nvfp4's weight-gradient GEMM end to end
+    assert out.count("lowers for CUDA") == 10 and "0 failed" in out
+    assert out.count("quantized_gemm nvfp4") == 1
     assert out.count("hadamard=32 prescale=0.75") == 2
 
 
