@@ -229,9 +229,14 @@ def gemm_cases() -> list[GemmCase]:
     return out
 
 
-@jax.jit
-def _gemm_excess(c, ref, aq, bq):
-    """max(|C - C_ref| - tol), tol = (2K + 8) 2**-24 (|A_q| @ |B_q|): <= 0 passes."""
+@functools.partial(jax.jit, static_argnames="case")
+def _gemm_excess(c, ref, a, b, keys, signs, *, case: GemmCase):
+    """max(|C - C_ref| - tol) with tol = (2K + 8) 2**-24 (|A_q| @ |B_q|), ``A_q``, ``B_q``
+    the operands as the emulation quantizes them: <= 0 passes."""
+    g = case.spec
+    h = g.hadamard or None
+    aq = quantize_operand(a, g.lhs, 1, 0, keys[0], hadamard=h, signs=signs, native=False)
+    bq = quantize_operand(b, g.rhs, 0, 1, keys[1], hadamard=h, signs=signs, native=False)
     mag = jnp.dot(jnp.abs(aq), jnp.abs(bq), precision=jax.lax.Precision.HIGHEST)
     tol = (2 * aq.shape[1] + 8) * 2.0**-24 * mag
     return jnp.max(jnp.abs(c - ref) - tol)
@@ -240,11 +245,7 @@ def _gemm_excess(c, ref, aq, bq):
 def gemm_close(case: GemmCase, c, ref, a, b, keys, signs) -> tuple[bool, float]:
     """Whether the kernels' ``c`` is the emulation's ``ref`` up to float32 summation order,
     and the largest difference."""
-    g = case.spec
-    h = g.hadamard or None
-    aq = quantize_operand(a, g.lhs, 1, 0, keys[0], hadamard=h, signs=signs, native=False)
-    bq = quantize_operand(b, g.rhs, 0, 1, keys[1], hadamard=h, signs=signs, native=False)
-    excess = float(_gemm_excess(c, ref, aq, bq))
+    excess = float(_gemm_excess(c, ref, a, b, keys, signs, case=case))
     return excess <= 0, float(jnp.max(jnp.abs(c - ref)))
 
 
