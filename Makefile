@@ -27,7 +27,7 @@ format-demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
+	$(PY) -m pytest -q -n 2 --durations=15
 
 test-slow: $(STAMP)
 	LOWBIT_TEST_XLA_OPT=full $(PY) -m pytest -q -m slow

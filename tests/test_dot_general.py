@@ -89,10 +89,6 @@ QAT = [n for n in ALL if n.startswith("qat_")]
 # straight-through operands with the forward Hadamard undone); for the others, which differ
 # from these only in element formats, they are marked slow (make test-slow).
 FULL = ("none", "nvfp4", "mixed")
-# One xdist worker runs this module (``make test`` distributes with --dist loadgroup): each
-# recipe's program is compiled once, by the first test that needs it, not once per worker
-# that happens to draw one of its tests.
-pytestmark = pytest.mark.xdist_group("dot_general")
 ALL_IDS = tuple(c.id for c in CASES)
 
 
