@@ -29,7 +29,7 @@ def tiny(monkeypatch):
     monkeypatch.setattr(gpu_check, "FORMATS", ["nvfp4"])
     monkeypatch.setattr(gpu_check, "HADAMARD_CASES", [("mxfp4", "stochastic", 32, 0.75)])
     monkeypatch.setattr(gpu_check, "MATMUL_PAIRS", [(None, "mxfp6_e2m3")])
-    monkeypatch.setattr(gpu_check, "GEMM", (64, 128, 64))
+    monkeypatch.setattr(gpu_check, "GEMM", (32, 64, 32))
     monkeypatch.setattr(gpu_check, "GEMM_RECIPES", ["nvfp4"])  # its wgrad (dgrad: 16x16 tiles)
     fast = functools.partial(_common.time_fn, batches=1, calls=1, warmup=1)
     monkeypatch.setattr(gpu_check, "time_fn", fast)
