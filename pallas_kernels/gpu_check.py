@@ -448,6 +448,18 @@ def run_gpu(budget_s: float) -> int:
 # Dry-run mode
 
 
+def _dry_check(failures: list, name: str, check) -> None:
+    """Print ``name`` and what ``check()`` says (``(ok, text)``), or the error it raised; a
+    failure joins ``failures``."""
+    try:
+        ok, text = check()
+    except Exception as e:
+        ok, text = False, f"ERROR {type(e).__name__}: {str(e)[:300]}"
+    print(f"{name}{text}")
+    if not ok:
+        failures.append(name)
+
+
 def run_dry() -> int:
     t_start = time.perf_counter()
     failures = []
@@ -459,10 +471,11 @@ def run_dry() -> int:
     )
     for case in quantize_cases():
         cfg = case.config
-        try:
+
+        def check(case=case, cfg=cfg):
             spec = jax.ShapeDtypeStruct(case.shape, jnp.bfloat16)
             export_for_cuda(
-                lambda x, k, c=case, cfg=cfg: c.kernel(x, k, key, cfg),
+                lambda x, k: case.kernel(x, k, key, cfg),
                 spec,
                 jax.ShapeDtypeStruct((2,), jnp.uint32),
             )
@@ -471,35 +484,22 @@ def run_dry() -> int:
                 rng.standard_normal(small) * np.exp(rng.standard_normal(small)), jnp.bfloat16
             )
             q = quantize(
-                x,
-                case.fmt,
-                case.axis,
-                key=key,
-                implementation="pallas",
-                interpret=True,
-                config=cfg,
-                **case.kwargs(key),
+                x, case.fmt, case.axis, key=key, implementation="pallas", interpret=True,
+                config=cfg, **case.kwargs(key),
             )
             ok = same_qarray(q, case.reference(x, key))
-        except Exception as e:
-            ok = False
-            print(f"{case.name}: ERROR {type(e).__name__}: {str(e)[:300]}")
-        print(
-            f"{case.name} {cfg}: lowers for CUDA; interpret {small}: "
-            f"{'bit-exact' if ok else 'FAILED'}"
-        )
-        if not ok:
-            failures.append(case.name)
+            return ok, f" {cfg}: lowers for CUDA; interpret {small}: " + (
+                "bit-exact" if ok else "FAILED")
+
+        _dry_check(failures, case.name, check)
     for case in matmul_cases():
-        cfg = case.config
-        m, k, n = case.mkn
-        try:
-            a_spec = _spec(case.a, (m, k), -1)
-            b_spec = _spec(case.b, (k, n), 0)
+
+        def check(case=case, cfg=case.config):
+            m, k, n = case.mkn
             export_for_cuda(
-                lambda a, b, cfg=cfg: matmul_pallas(a, b, config=cfg, out_dtype=jnp.bfloat16),
-                a_spec,
-                b_spec,
+                lambda a, b: matmul_pallas(a, b, config=cfg, out_dtype=jnp.bfloat16),
+                _spec(case.a, (m, k), -1),
+                _spec(case.b, (k, n), 0),
             )
             sm, sk, sn = min(m, cfg.block_m), min(k, 2 * cfg.block_k), min(n, 2 * cfg.block_n)
             x = jnp.asarray(rng.standard_normal((sm, sk)), jnp.bfloat16)
@@ -507,32 +507,23 @@ def run_dry() -> int:
             a, b = _operand(x, case.a, -1), _operand(w, case.b, 0)
             c = block_scaled_matmul(a, b, implementation="pallas", interpret=True, config=cfg)
             ok, err = matmul_close(c, a, b)
-        except Exception as e:
-            ok, err = False, float("nan")
-            print(f"{case.name}: ERROR {type(e).__name__}: {str(e)[:300]}")
-        print(
-            f"{case.name} {cfg}: lowers for CUDA; interpret {(sm, sk, sn)}: "
-            f"{'ok' if ok else 'FAILED'} (max err {err:.1e})"
-        )
-        if not ok:
-            failures.append(case.name)
+            return ok, (f" {cfg}: lowers for CUDA; interpret {(sm, sk, sn)}: "
+                        f"{'ok' if ok else 'FAILED'} (max err {err:.1e})")
+
+        _dry_check(failures, case.name, check)
     for case in gemm_cases():
-        m, k, n = case.mkn
-        small = GemmCase(case.recipe, case.gemm, (min(m, 64), min(k, 256), min(n, 64)))
-        try:
+
+        def check(case=case):
+            m, k, n = case.mkn
+            small = GemmCase(case.recipe, case.gemm, (min(m, 64), min(k, 256), min(n, 64)))
             export_for_cuda(case.call("pallas"), *jax.eval_shape(case.args, key))
             args = small.args(key, jnp.float32)
             c = small.call("pallas", interpret=True)(*args)
             ok, err = gemm_close(small, c, small.call("xla")(*args), *args)
-        except Exception as e:
-            ok, err = False, float("nan")
-            print(f"{case.name}: ERROR {type(e).__name__}: {str(e)[:300]}")
-        print(
-            f"{case.name}: lowers for CUDA; interpret {small.mkn}: "
-            f"{'ok' if ok else 'FAILED'} (max err {err:.1e})"
-        )
-        if not ok:
-            failures.append(case.name)
+            return ok, (f": lowers for CUDA; interpret {small.mkn}: "
+                        f"{'ok' if ok else 'FAILED'} (max err {err:.1e})")
+
+        _dry_check(failures, case.name, check)
     print(f"\n{len(failures)} failed, {time.perf_counter() - t_start:.0f} s")
     for name in failures:
         print(f"FAILED: {name}")
