@@ -115,13 +115,19 @@ def storage_bits(
     if spec.granularity != "block":
         return 8.0 * n + (TENSOR_SCALE_BITS if tensor_scale else 0.0)
     fmt = _formats.get(spec.format)
-    extra = TENSOR_SCALE_BITS if tensor_scale and fmt.tensor_scale else 0.0
+    outer = spec.tensor_block is not None  # float32 outer scales instead of a tensor scale
+    extra = TENSOR_SCALE_BITS if tensor_scale and fmt.tensor_scale and not outer else 0.0
     if axes is None:
         return spec.bits_per_element * n + extra
     block = tuple(spec.block_shape) if spec.block_shape is not None else (fmt.block_size,)
     p = _padded_size(tuple(int(d) for d in shape), axes, block)
     codes, code_bytes = fmt.elem.pack_group
     scale_bits = fmt.scale.bits * (p // math.prod(block))
+    if outer:  # one per tensor_block along the (single) axis, per row
+        (a,) = axes
+        length = -(-int(shape[a]) // block[0]) * block[0]
+        rows = p // length
+        extra = TENSOR_SCALE_BITS * rows * -(-length // spec.tensor_block)
     return float(8 * code_bytes * p // codes + scale_bits) + extra
 
 

@@ -26,7 +26,7 @@ PACKAGES = ("lowbit", "pallas_kernels", "experiments", "benchmarks")
 
 LAYERS = [
     ("lowbit.core", "lowbit.gemm", "lowbit.core.formats", "lowbit.gemm.implementation"),
-    ("lowbit.core.numerics", "lowbit.core.hadamard", "lowbit.core.plan"),
+    ("lowbit.core.numerics", "lowbit.core.hadamard", "lowbit.core.plan", "lowbit.core.scales"),
     ("lowbit.core.native",),
     ("lowbit.core.qarray",),
     ("lowbit.io",),

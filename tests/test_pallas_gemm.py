@@ -211,8 +211,14 @@ def test_kernel_supports():
         # int8 per token (bitnet, w*a8) and int4 / ternary weights run in the emulation
         rows = any(s is not None and s.granularity == "row" for s in pair)
         ints = any(s is not None and s.format in ("int4", "ternary") for s in pair)
-        expected = not (tensor or tiles or quest or rows or ints)  # weight-only included
+        # Four Over Six's candidate scales and double-block scales run in the emulation
+        fos = any(s is not None and (s.scale_mode or "").startswith("4over6") for s in pair)
+        expected = not (tensor or tiles or quest or rows or ints or fos)  # weight-only too
         assert kernel_supports(*pair)[0] == expected
+    ok, reason = kernel_supports(QuantSpec("nvfp4", scale_mode="4over6"), None)
+    assert not ok and "Four Over Six" in reason
+    ok, reason = kernel_supports(QuantSpec("nvfp4", tensor_block=128), None)
+    assert not ok and "double-block" in reason
     ok, reason = kernel_supports(QuantSpec("mxfp4", scale_std=2.9), None)
     assert not ok and "scale_std=2.9" in reason
     static = QuantSpec("nvfp4", amax=3.0)  # a calibrated static amax: the emulation runs

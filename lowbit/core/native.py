@@ -81,6 +81,7 @@ import numpy as np
 
 from lowbit.core import hadamard as _hadamard
 from lowbit.core.numerics import key_words
+from lowbit.core.scales import oas_constant
 
 __all__ = [
     "TARGET",
@@ -114,7 +115,7 @@ _CXXFLAGS = (
     "-w",
 )
 _KINDS = {"mx_float": 0, "mx_int": 1, "nvfp4": 2}
-_SCALE_MODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}
+_SCALE_MODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3, "oas": 4}
 
 _log = logging.getLogger("lowbit")
 _lock = threading.Lock()
@@ -330,6 +331,10 @@ def supports(plan, hadamard: int | None = None) -> bool:
         return False
     if not kernel_format(plan.fmt):
         return False
+    if plan.scale_mode not in _SCALE_MODES and plan.scale_mode != "nvfp4":
+        return False  # Four Over Six: no per-block choice of candidates here, the XLA path
+    if plan.tensor_block is not None:
+        return False  # double-block scales: no outer blocks here, the XLA path
     if hadamard is not None:
         if len(plan.axes) != 1 or hadamard not in _hadamard.BLOCK_SIZES:
             return False
@@ -410,6 +415,7 @@ def plan_attributes(plan) -> dict[str, np.generic]:
         "emin": np.int32(elem.emin),
         "emax": np.int32(elem.emax),
         "max": np.float32(elem.max),
+        "oas_c": np.float32(oas_constant(elem) if fmt.is_mx else 0.0),
         "prescale": np.float32(plan.prescale),
         "stochastic": np.int32(plan.stochastic),
         **_geometry(plan),

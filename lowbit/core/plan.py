@@ -28,11 +28,21 @@ import numpy as np
 
 from lowbit.core import formats as _formats
 from lowbit.core.formats import BlockFormat
+from lowbit.core.scales import FOUR_OVER_SIX_METRICS
 
-__all__ = ["Plan", "make_plan", "scale_mode_of", "check_prescale", "SCALE_MODES", "ROUNDINGS"]
+__all__ = [
+    "Plan", "make_plan", "scale_mode_of", "check_prescale", "check_tensor_block", "SCALE_MODES",
+    "NVFP4_SCALE_MODES", "ROUNDINGS",
+]
 
-SCALE_MODES = ("floor", "ceil", "even", "rceil")
-"""The MX shared-exponent rules (OCP MX v1.0's is ``"floor"``)."""
+SCALE_MODES = ("floor", "ceil", "even", "rceil", "oas")
+"""The MX shared-exponent rules (OCP MX v1.0's is ``"floor"``; ``"oas"`` is OAS, arXiv
+2603.08713, as qwix computes it: ``lowbit.core.scales.mx_scale_exponent``)."""
+NVFP4_SCALE_MODES = ("nvfp4", *FOUR_OVER_SIX_METRICS)
+"""NVFP4's block-scale rules: ``"nvfp4"`` (the block amax to 6, E4M3 bound 448) and Four Over
+Six (``"4over6"``, ``"4over6_mae"``, ``"4over6_max"``: the candidate scaling the block amax to
+4 or to 6 with the smaller summed squared, summed absolute or largest error;
+``lowbit.core.scales.four_over_six``)."""
 ROUNDINGS = ("nearest", "stochastic")
 
 
@@ -52,11 +62,15 @@ class Plan:
       block_shape: the block extent along each of ``axes``.
       perm: the permutation that moves ``axes`` to the end.
       padded: the padded extent of each quantized axis (a block multiple).
-      scale_mode: resolved (:func:`scale_mode_of`): ``"floor"``, ``"ceil"``, ``"even"``,
-        ``"rceil"`` (MX), ``"nvfp4"`` (E4M3 block scales, NVFP4 and INT4) or ``"absmean"``.
+      scale_mode: resolved (:func:`scale_mode_of`): one of :data:`SCALE_MODES` (MX),
+        ``"nvfp4"`` (E4M3 block scales, NVFP4 and INT4), a Four Over Six mode of
+        :data:`NVFP4_SCALE_MODES` (NVFP4) or ``"absmean"``.
       stochastic: stochastic rounding (the caller passes the key) instead of nearest-even.
       prescale: the scaled elements are multiplied by this before rounding, the values
         divided by it after (:func:`undo_prescale`); a recipe's ``QuantSpec.prescale``.
+      tensor_block: NVFP4 only, None or a multiple of the block: TetraJet-v2's double-block
+        scaling, a float32 outer scale per ``tensor_block`` elements along the axis (in
+        place of the tensor scale) above the E4M3 block scales.
     """
 
     fmt: BlockFormat
@@ -68,6 +82,7 @@ class Plan:
     scale_mode: str
     stochastic: bool
     prescale: float = 1.0
+    tensor_block: int | None = None
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
@@ -143,13 +158,30 @@ def scale_mode_of(fmt: BlockFormat, scale_mode: str | None) -> str:
             )
         return "absmean"
     if fmt.tensor_scale:
-        if scale_mode not in (None, "nvfp4"):
+        if scale_mode in FOUR_OVER_SIX_METRICS and not fmt.is_nvfp4:
+            raise ValueError(
+                f"scale_mode={scale_mode!r} (Four Over Six) does not apply to {fmt.name}: it "
+                "chooses between scaling a block's amax to 4 or to 6 on the FP4 (E2M1) grid, "
+                f"whose step doubles between 4 and 6; {fmt.name}'s grid is uniform (the "
+                "reference allows only its plain scale for NVINT4 too). Use scale_mode=None"
+            )
+        if scale_mode is not None and scale_mode not in NVFP4_SCALE_MODES:
+            hint = (" (MX scale modes apply to MX formats only)" if scale_mode in SCALE_MODES
+                    else "")
             raise ValueError(
                 f"scale_mode={scale_mode!r} does not apply to {fmt.name}: its block scales are "
-                "E4M3 values rounded to nearest even"
+                f"E4M3 values; scale_mode must be None or one of {NVFP4_SCALE_MODES}{hint}"
             )
-        return "nvfp4"
+        return "nvfp4" if scale_mode is None else scale_mode
     scale_mode = "floor" if scale_mode is None else scale_mode
+    if scale_mode in NVFP4_SCALE_MODES:
+        raise ValueError(
+            f"scale_mode={scale_mode!r} does not apply to {fmt.name}: "
+            + ("Four Over Six chooses between E4M3 block scales of NVFP4; an MX block scale is "
+               "a power of two (E8M0)" if scale_mode in FOUR_OVER_SIX_METRICS
+               else "MX block scales are powers of two (E8M0)")
+            + f"; scale_mode must be one of {SCALE_MODES}"
+        )
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
     return scale_mode
@@ -164,6 +196,44 @@ def check_prescale(prescale, name: str = "prescale") -> float:
     if not (math.isfinite(prescale) and prescale > 0):
         raise ValueError(f"{name} must be a finite positive float, got {prescale}")
     return float(prescale)
+
+
+def check_tensor_block(fmt: BlockFormat, tensor_block, block_shape=None, scale_mode=None,
+                       tensor_amax=None) -> int | None:
+    """``tensor_block`` as an int if it is None or a valid outer block for ``fmt`` (NVFP4,
+    1-D blocks, a positive multiple of the block, the plain scale rule, no calibrated tensor
+    amax), else an error naming what is wrong."""
+    if tensor_block is None:
+        return None
+    if isinstance(tensor_block, bool) or not isinstance(tensor_block, (int, np.integer)):
+        raise TypeError(f"tensor_block must be None or an int, got {tensor_block!r}")
+    tensor_block = int(tensor_block)
+    if not fmt.is_nvfp4:
+        raise ValueError(
+            f"tensor_block applies to NVFP4 (an FP32 outer scale above its E4M3 block scales, "
+            f"TetraJet-v2), not to {fmt.name}"
+        )
+    block = fmt.block_size if block_shape is None else tuple(block_shape)
+    if isinstance(block, tuple):
+        if len(block) != 1:
+            raise ValueError(
+                f"tensor_block needs 1-D blocks along one axis, got block_shape {block}"
+            )
+        (block,) = block
+    if tensor_block < block or tensor_block % block:
+        raise ValueError(
+            f"tensor_block={tensor_block} must be a positive multiple of the block ({block})"
+        )
+    if scale_mode not in (None, "nvfp4"):
+        raise ValueError(
+            f"tensor_block takes NVFP4's plain block scales, not scale_mode={scale_mode!r}"
+        )
+    if tensor_amax is not None:
+        raise ValueError(
+            "tensor_block replaces the tensor scale by one per outer block: a calibrated "
+            "tensor_amax does not apply"
+        )
+    return tensor_block
 
 
 def _check_tensor_amax(fmt: BlockFormat, tensor_amax) -> None:
@@ -189,12 +259,12 @@ def _check_tensor_amax(fmt: BlockFormat, tensor_amax) -> None:
 
 def make_plan(
     shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax,
-    prescale: float = 1.0,
+    prescale: float = 1.0, tensor_block: int | None = None,
 ) -> Plan:
     """The checked :class:`Plan` for quantizing an array of ``shape`` to ``fmt`` along
     ``axis`` (a pair of axes for a 2-D ``block_shape``); the other arguments as in
-    :func:`quantize` (``key`` and ``tensor_amax`` are checked, not kept), ``prescale`` as in
-    :attr:`Plan.prescale`."""
+    :func:`quantize` (``key`` and ``tensor_amax`` are checked, not kept), ``prescale`` and
+    ``tensor_block`` as in :class:`Plan`."""
     fmt = _formats.get(fmt)
     ndim = len(shape)
     if block_shape is None:
@@ -225,7 +295,8 @@ def make_plan(
     scale_mode = scale_mode_of(fmt, scale_mode)
     _check_tensor_amax(fmt, tensor_amax)
     prescale = check_prescale(prescale)
+    tensor_block = check_tensor_block(fmt, tensor_block, block_shape, scale_mode, tensor_amax)
     other = tuple(i for i in range(ndim) if i not in axes)
     padded = tuple(-(-shape[a] // b) * b for a, b in zip(axes, block_shape, strict=True))
     return Plan(fmt, tuple(shape), axes, block_shape, other + axes, padded, scale_mode,
-                 stochastic, prescale)
+                stochastic, prescale, tensor_block)

@@ -49,6 +49,12 @@ from lowbit.core.plan import (  # the plan's home; re-exported here for qarray's
     make_plan,
     scale_mode_of,
 )
+from lowbit.core.scales import (  # the scale rules' home; re-exported here
+    FOUR_OVER_SIX_METRICS,
+    four_over_six,
+    mx_scale_exponent,
+    nvfp4_tensor_scale,
+)
 
 __all__ = [
     "QArray",
@@ -85,7 +91,7 @@ UE4M3_NAN = 0x7F
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["codes", "scales", "tensor_scale"],
-    meta_fields=["format_name", "shape", "dtype", "axes", "block_shape"],
+    meta_fields=["format_name", "shape", "dtype", "axes", "block_shape", "tensor_block"],
 )
 @dataclasses.dataclass(frozen=True)
 class QArray:
@@ -95,10 +101,13 @@ class QArray:
       codes: uint8, packed element codes; shape ``[*other, *padded_axes]`` with the last
         dimension divided by the packing ratio (2 for FP4, 4/3 for FP6).
       scales: uint8 block-scale codes, shape ``[*other, *blocks_per_axis]``.
-      tensor_scale: float32 scalar (NVFP4), else None.
+      tensor_scale: float32 scalar (NVFP4, INT4, ternary), else None; with ``tensor_block``
+        float32 ``[*other, outer_blocks]``, one per ``tensor_block`` elements along the axis
+        (storage order, as ``scales``).
       format_name, shape, dtype: the format and the original tensor's shape and dtype.
       axes: the quantized axes of the original tensor (non-negative), in block order.
       block_shape: block extent along each of ``axes``.
+      tensor_block: None, or NVFP4's outer block (TetraJet-v2's double-block scaling).
     """
 
     codes: jax.Array
@@ -109,6 +118,7 @@ class QArray:
     dtype: Any
     axes: tuple[int, ...]
     block_shape: tuple[int, ...]
+    tensor_block: int | None = None
 
     @property
     def format(self) -> BlockFormat:
@@ -124,9 +134,10 @@ class QArray:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: packed codes, one byte per block scale, 4 for a tensor scale."""
+        """Bytes held: packed codes, one byte per block scale, 4 per tensor (or outer-block)
+        scale."""
         n = self.codes.size * self.codes.dtype.itemsize + self.scales.size
-        return n + (4 if self.tensor_scale is not None else 0)
+        return n + (4 * self.tensor_scale.size if self.tensor_scale is not None else 0)
 
     @property
     def bits_per_element(self) -> float:
@@ -271,30 +282,6 @@ def _from_storage(a: jax.Array, plan: Plan) -> jax.Array:
 # Scales
 
 
-def mx_scale_exponent(amax: jax.Array, elem: ElementFormat, mode: str) -> jax.Array:
-    """Shared exponent (int32, clamped to [-127, 127]) of MX blocks with absolute max amax."""
-    bits = lax.bitcast_convert_type(amax, jnp.int32)
-    mant = bits & 0x7FFFFF
-    if mode == "floor":  # OCP MX v1.0: floor(log2(amax)) - emax
-        e = exponent(amax) - elem.emax
-    elif mode == "ceil":  # ceil(log2(amax)) - emax
-        e = exponent(amax) + (mant != 0).astype(jnp.int32) - elem.emax
-    elif mode == "even":
-        # amax first rounded to the element's precision (ties away from zero), then floor:
-        # a block whose largest value would round up into the next binade gets that binade.
-        half = 1 << (23 - elem.mbits - 1)
-        rounded = (bits + half) & ~((1 << (23 - elem.mbits)) - 1)
-        e = ((rounded >> 23) & 0xFF) - 127 - elem.emax
-    elif mode == "rceil":  # smallest e with elem.max * 2**e >= amax
-        m_bits = int(np.float32(elem.max).view(np.int32))
-        e = exponent(amax) - elem.emax + (mant > (m_bits & 0x7FFFFF)).astype(jnp.int32)
-    else:  # pragma: no cover - checked in make_plan
-        raise ValueError(mode)
-    # amax == 0 (and float32 subnormals, flushed on CPU) -> the smallest scale, 2**-127.
-    e = jnp.where(amax > 0, e, -127)
-    return jnp.clip(e, -127, 127)
-
-
 @dataclasses.dataclass
 class _Quantized:
     """Elements on the grid (float32, pre-scale) and per-block scale data, blocked layout."""
@@ -369,6 +356,8 @@ def _quantize_blocks(xb, plan: Plan, key, tensor_amax, want_clip: bool) -> _Quan
 
         return _Quantized(q, code, mul, finite, clipped)
 
+    if plan.tensor_block is not None:
+        return _double_block(xb, plan, amax_bits, finite, rbits, want_clip)
     # NVFP4 (and INT4): a float32 tensor scale and unsigned-E4M3 block scales.
     if tensor_amax is None:
         # The tensor amax ignores NaN and Inf values (not the finite values beside them):
@@ -382,6 +371,8 @@ def _quantize_blocks(xb, plan: Plan, key, tensor_amax, want_clip: bool) -> _Quan
         tamax = lax.bitcast_convert_type(tamax_bits, jnp.float32)
     else:
         tamax = jnp.asarray(tensor_amax, jnp.float32)
+    if plan.scale_mode in FOUR_OVER_SIX_METRICS:
+        return _four_over_six_blocks(xb, plan, amax, tamax, finite, rbits, want_clip)
     t = nvfp4_tensor_scale(tamax, elem.max)
     s_raw = jnp.minimum(ieee_div(ieee_div(amax, np.float32(elem.max)), t),
                         np.float32(E4M3.max))
@@ -406,11 +397,69 @@ def _quantize_blocks(xb, plan: Plan, key, tensor_amax, want_clip: bool) -> _Quan
     return _Quantized(q, code, mul, finite, clipped, tensor_scale=t)
 
 
-def nvfp4_tensor_scale(tensor_amax: jax.Array, elem_max: float = 6.0) -> jax.Array:
-    """NVFP4's float32 tensor scale ``t = amax / (448 * elem_max)`` (``elem_max`` 6 for NVFP4,
-    7 for INT4), correctly rounded (an IEEE division XLA cannot rewrite into a multiplication
-    by a rounded reciprocal)."""
-    return ieee_div(jnp.asarray(tensor_amax, jnp.float32), np.float32(E4M3.max * elem_max))
+def _outer_maxima(bits: jax.Array, plan: Plan) -> jax.Array:
+    """Per-block int32 maxima (blocked layout, keepdims) -> the maxima of their outer blocks
+    (``plan.tensor_block`` elements along the axis), broadcast back to every block."""
+    (pos,) = (p - 1 for p in plan.block_axes)  # the blocks dim of the blocked layout
+    k = plan.tensor_block // plan.block_shape[0]
+    m = jnp.moveaxis(jnp.squeeze(bits, pos + 1), pos, -1)
+    nb = m.shape[-1]
+    m = jnp.pad(m, [(0, 0)] * (m.ndim - 1) + [(0, -nb % k)])
+    m = jnp.max(m.reshape(*m.shape[:-1], -1, k), axis=-1)
+    m = jnp.repeat(m, k, axis=-1)[..., :nb]
+    return jnp.expand_dims(jnp.moveaxis(m, -1, pos), pos + 1)
+
+
+def _double_block(xb, plan: Plan, amax_bits, finite, rbits, want_clip):
+    """NVFP4 with TetraJet-v2's double-block scales (``plan.tensor_block``).
+
+    thu-ml/TetraJet-v2-NVFP4Training @ ca5953f6, ``kernels/csrc/quant_fp4.cu:257-328``
+    (``quant_fp4_from_reg``): the outer scale ``S = (amax_128 / 448) / 6`` in float32 (1 where
+    that is 0, line 274), the block scale ``(amax_16 / S) / 6`` (2**-9 where that is 0, line
+    283) rounded to E4M3 (nearest, saturating), elements ``x * (1 / (S * s))`` rounded to
+    E2M1 (nearest-even, saturating), values ``(q * s) * S``. The kernels build with
+    ``--use_fast_math`` (approximate division); lowbit divides exactly. The outer amax
+    ignores NaN and Inf, as the tensor amax does; a non-finite block comes out NaN.
+    """
+    elem = plan.fmt.elem
+    fin_bits = lax.cond(jnp.all(finite), lambda: amax_bits,
+                        lambda: _amax_bits(xb, plan, finite_only=True))
+    oamax = lax.bitcast_convert_type(_outer_maxima(fin_bits, plan), jnp.float32)
+    amax = lax.bitcast_convert_type(jnp.where(finite, amax_bits, 0), jnp.float32)
+    big = ieee_div(ieee_div(oamax, np.float32(E4M3.max)), np.float32(elem.max))
+    big = jnp.where(big == 0, np.float32(1.0), big)
+    s_raw = ieee_div(ieee_div(amax, big), np.float32(elem.max))
+    s = round_to_grid(jnp.where(s_raw == 0, np.float32(2.0**-9), s_raw), E4M3, saturate=True)
+    live = s > 0
+    r = jnp.where(live, ieee_div(np.float32(1.0), big * jnp.where(live, s, 1.0)), 0.0)
+    (r,) = materialize(r)
+    v = xb * r
+    if plan.prescale != 1.0:
+        v = v * np.float32(plan.prescale)
+    clipped = jnp.abs(v) > elem.max if want_clip else None
+    q = round_to_grid(v, elem, rbits=rbits, saturate=True)
+    code = jnp.where(finite, encode_elements(s, E4M3), jnp.uint8(UE4M3_NAN))
+    s_or_nan = jnp.where(finite, s, np.float32(np.nan))
+
+    def mul(elems, s=s_or_nan, t=big):
+        return undo_prescale((elems * s) * t, plan.prescale)
+
+    return _Quantized(q, code, mul, finite, clipped, tensor_scale=big)
+
+
+def _four_over_six_blocks(xb, plan: Plan, amax, tamax, finite, rbits, want_clip):
+    """NVFP4 with Four Over Six block scales (``lowbit.core.scales.four_over_six``)."""
+    q, s, t, v = four_over_six(xb, amax, tamax, plan.block_axes, plan.fmt.elem,
+                               FOUR_OVER_SIX_METRICS[plan.scale_mode], rbits=rbits,
+                               prescale=plan.prescale)
+    clipped = jnp.abs(v) > plan.fmt.elem.max if want_clip else None
+    code = jnp.where(finite, encode_elements(s, E4M3), jnp.uint8(UE4M3_NAN))
+    s_or_nan = jnp.where(finite, s, np.float32(np.nan))
+
+    def mul(elems, s=s_or_nan, t=t):
+        return undo_prescale((elems * s) * t, plan.prescale)
+
+    return _Quantized(q, code, mul, finite, clipped, tensor_scale=t)
 
 
 ABSMEAN_FLOOR = 1e-5  # BitNet's clamp of the mean |w| (and of the per-token amax)
@@ -474,6 +523,7 @@ def quantize(
     key: jax.Array | None = None,
     block_shape: tuple[int, ...] | None = None,
     tensor_amax: jax.Array | float | None = None,
+    tensor_block: int | None = None,
 ) -> QArray:
     """Quantize ``x`` to a block-scaled format; returns a :class:`QArray`.
 
@@ -483,11 +533,17 @@ def quantize(
       axis: the axis the blocks run along; with a 2-D ``block_shape``, the pair of tiled axes
         (default: the last two).
       scale_mode: MX shared-exponent rule: ``"floor"`` (OCP MX v1.0, default), ``"ceil"``,
-        ``"even"``, ``"rceil"`` (smallest power of two that does not clip). Not for NVFP4.
+        ``"even"``, ``"rceil"`` (smallest power of two that does not clip), ``"oas"`` (OAS,
+        qwix's rule). NVFP4: ``"nvfp4"`` (default) or Four Over Six, ``"4over6"`` (each
+        block scaled to 4 or to 6, whichever has the smaller squared error), ``"4over6_mae"``,
+        ``"4over6_max"`` (see ``lowbit.core.scales``).
       rounding: ``"nearest"`` (half to even) or ``"stochastic"`` (needs ``key``).
       key: PRNG key for stochastic rounding.
       block_shape: None (the format's 1-D block), ``(b,)``, or a 2-D tile such as ``(16, 16)``.
       tensor_amax: NVFP4 only: calibrated per-tensor absolute max (default: ``x``'s own).
+      tensor_block: NVFP4 only: TetraJet-v2's double-block scaling, a float32 outer scale per
+        ``tensor_block`` elements along ``axis`` (a multiple of 16, e.g. 128) in place of the
+        tensor scale (``QArray.tensor_scale`` then holds one per outer block).
 
     >>> import jax.numpy as jnp, lowbit as lb
     >>> q = lb.quantize(jnp.array([[0.3, -1.7, 5.0, 100.0] * 8]), "mxfp4")
@@ -495,7 +551,8 @@ def quantize(
     [0.0, -0.0, 8.0, 96.0]
     """
     x = _check_input(x)
-    plan = make_plan(x.shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax)
+    plan = make_plan(x.shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax,
+                     tensor_block=tensor_block)
     return quantize_with_plan(x, plan, key, tensor_amax)
 
 
@@ -510,15 +567,20 @@ def quantize_with_plan(x, plan: Plan, key, tensor_amax) -> QArray:
         scales = jnp.zeros((0,), jnp.uint8)
     else:
         scales = _to_storage(_squeeze_blocks(qz.scale_code, plan), plan)
+    t = qz.tensor_scale
+    if plan.tensor_block is not None:  # per block -> one per outer block, storage order
+        k = plan.tensor_block // plan.block_shape[0]
+        t = _to_storage(_squeeze_blocks(t, plan), plan)[..., ::k]
     return QArray(
         codes=_pack(codes, elem),
         scales=scales,
-        tensor_scale=qz.tensor_scale,
+        tensor_scale=t,
         format_name=plan.fmt.name,
         shape=tuple(x.shape),
         dtype=x.dtype,
         axes=plan.axes,
         block_shape=plan.block_shape,
+        tensor_block=plan.tensor_block,
     )
 
 
@@ -533,7 +595,8 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
         raise TypeError(f"q must be a QArray, got {type(q).__name__}")
     fmt = q.format
     elem = fmt.elem
-    plan = make_plan(q.shape, fmt, q.axes, q.block_shape, None, "nearest", None, None)
+    plan = make_plan(q.shape, fmt, q.axes, q.block_shape, None, "nearest", None, None,
+                     tensor_block=q.tensor_block)
     codes = _from_storage(_unpack(q.codes, elem), plan).reshape(plan.blocked_shape)
     elems = decode_elements(codes, elem)
     if fmt.is_absmean:
@@ -547,7 +610,12 @@ def dequantize(q: QArray, dtype=None) -> jax.Array:
         y = (elems * hi) * pow2(e - s_hi)
     else:
         s = decode_elements(scales, E4M3)
-        y = (elems * s) * q.tensor_scale
+        t = q.tensor_scale
+        if q.tensor_block is not None:  # one per outer block -> per block
+            k = q.tensor_block // q.block_shape[0]
+            t = jnp.repeat(t, k, axis=-1)[..., : q.scales.shape[-1]]
+            t = jnp.expand_dims(_from_storage(t, plan), plan.block_axes)
+        y = (elems * s) * t
     return _from_blocks(y, plan).astype(q.dtype if dtype is None else dtype)
 
 
@@ -628,6 +696,7 @@ def fake_quantize(
     key: jax.Array | None = None,
     block_shape: tuple[int, ...] | None = None,
     tensor_amax: jax.Array | float | None = None,
+    tensor_block: int | None = None,
     clip_gradient: bool = False,
 ) -> jax.Array:
     """``dequantize(quantize(x, ...))`` in one fused pass, with a straight-through gradient.
@@ -642,7 +711,8 @@ def fake_quantize(
     True
     """
     x = _check_input(x)
-    plan = make_plan(x.shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax)
+    plan = make_plan(x.shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax,
+                     tensor_block=tensor_block)
     if key is not None and jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
         key = jax.random.key_data(key)
     return _fake_quantize_ste(x, key, tensor_amax, plan, bool(clip_gradient))

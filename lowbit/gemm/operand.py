@@ -201,8 +201,8 @@ def spec_plan(spec: QuantSpec, shape, axes, key, tensor_amax=None) -> Plan:
     ``shape`` quantized along ``axes`` (an axis, or the pair a 2-D tile spans): what the XLA
     path, the compiled CPU kernel and the Pallas quantize kernel all take."""
     return make_plan(shape, spec.format, axes, spec.block_shape, spec.scale_mode,
-                         spec.rounding, key if spec.stochastic else None, tensor_amax,
-                         prescale=spec.prescale)
+                     spec.rounding, key if spec.stochastic else None, tensor_amax,
+                     prescale=spec.prescale, tensor_block=spec.tensor_block)
 
 
 def quantize_operand(

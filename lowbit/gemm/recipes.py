@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from lowbit.core import formats as _formats
-from lowbit.core.plan import ROUNDINGS, check_prescale, scale_mode_of
+from lowbit.core.plan import ROUNDINGS, check_prescale, check_tensor_block, scale_mode_of
 
 __all__ = [
     "QuantSpec",
@@ -61,7 +61,10 @@ class QuantSpec:
         or ``"row"`` an element format (``"e4m3"``, ``"e5m2"``, ``"int8"``) with float32
         scales.
       rounding: ``"nearest"`` or ``"stochastic"`` (keys come from the dot_general's ``key``).
-      scale_mode: MX scale rule (None: the format's default, ``"floor"``).
+      scale_mode: the block-scale rule (None: the format's default): an MX rule
+        (``lowbit.core.plan.SCALE_MODES``, default ``"floor"``, ``"oas"`` for OAS) or an
+        NVFP4 one (``"nvfp4"``, Four Over Six's ``"4over6"``, ``"4over6_mae"``,
+        ``"4over6_max"``).
       block_shape: None (1-D blocks along the contraction axis) or a 2-D tile
         ``(along contraction, along the operand's last free axis)``, e.g. ``(16, 16)``, so one
         quantized weight serves both the forward and the input-gradient GEMM.
@@ -88,6 +91,9 @@ class QuantSpec:
         ``+-scale_std`` standard deviations span the element grid; elements beyond the grid
         saturate. Quartet's forward uses 2.92247856 (the MSE-optimal clip of a Gaussian for
         FP4). None: the format's own rule.
+      tensor_block: NVFP4 only: TetraJet-v2's double-block scaling, a float32 outer scale per
+        ``tensor_block`` elements along the contraction axis (e.g. 128) in place of the
+        per-tensor scale (``lowbit.quantize``'s ``tensor_block``).
       trust_mask: for a forward operand, QuEST's trust estimator: the backward zeroes the
         gradient of every element whose scaled magnitude reached the element grid's max
         (``|x / scale| >= elem_max``), in the basis the forward quantized it (inside the
@@ -104,6 +110,7 @@ class QuantSpec:
     amax: float | None = None
     scale_std: float | None = None
     trust_mask: bool = False
+    tensor_block: int | None = None
 
     def __post_init__(self):
         if self.granularity in ("tensor", "row"):
@@ -121,6 +128,8 @@ class QuantSpec:
             fmt = _formats.get(self.format)
             object.__setattr__(self, "format", fmt.name)
             scale_mode_of(fmt, self.scale_mode)  # the one check of a scale mode
+            object.__setattr__(self, "tensor_block", check_tensor_block(
+                fmt, self.tensor_block, self.block_shape, self.scale_mode, self.amax))
         else:
             raise ValueError(
                 f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}"
@@ -196,6 +205,8 @@ class QuantSpec:
             for b in self.block_shape:
                 n *= b
             return fmt.elem.packed_bits + fmt.scale.bits / n
+        if self.tensor_block is not None:  # plus a float32 outer scale per tensor_block
+            return fmt.bits_per_element + 32.0 / self.tensor_block
         return fmt.bits_per_element
 
 
@@ -421,6 +432,36 @@ register(
         "dgrad), a 16-point random Hadamard transform on the wgrad operands, stochastic "
         "rounding of gradients.",
         source="NVIDIA 2025, 'Pretraining Large Language Models with NVFP4' (arXiv:2509.25149)",
+    )
+)
+
+# Four Over Six as its public training code runs it (mit-han-lab/fouroversix @ dadfad69):
+# ModuleQuantizationConfig (src/fouroversix/model/config.py:73-95) gives the activation, the
+# weight and the gradient the same scale rule, "mse" (4/6 with the squared error) by default
+# and in the shipped configs (scripts/train/configs/transformer_340M_nvfp4_fouroversix.json);
+# FourOverSixLinearFunction (src/fouroversix/model/modules/linear.py:61-282) quantizes all six
+# GEMM operands with it: x and w in fprop, dy (stochastic) and w^T in dgrad, dy^T and x^T with
+# a 16-point Hadamard in wgrad; flame trains with weight_scale_2d=True (16x16 weight tiles,
+# one 4-or-6 choice per tile). Its gradients round "stochastic_unbiased": stochastic rounding
+# with the element grid shrunk by 16/17 so that nothing clips, which lowbit's prescale=16/17
+# does (the reference folds 16/17 into its encode constant instead of dividing it out of the
+# values: the same grid, roundings placed differently). Its wgrad Hadamard has fixed signs
+# (quantize/utils.py:19-30); lowbit's nvfp4 recipe draws random signs, and so does this one.
+_a6 = QuantSpec("nvfp4", scale_mode="4over6")
+_w6 = QuantSpec("nvfp4", scale_mode="4over6", block_shape=(16, 16))
+_g6 = QuantSpec("nvfp4", scale_mode="4over6", rounding="stochastic", prescale=16 / 17)
+register(
+    Recipe(
+        "four_over_six",
+        fwd=GemmSpec(_a6, _w6),
+        dlhs=GemmSpec(_g6, _w6),
+        drhs=GemmSpec(_a6, _g6, hadamard=16),
+        description="NVFP4 with Four Over Six block scales on every operand (each block "
+        "scaled to 4 or to 6, whichever has the smaller squared error; E4M3 bound 256): 16x16 "
+        "weight tiles, a 16-point random Hadamard on the wgrad operands, stochastic rounding "
+        "of gradients on a grid shrunk by 16/17.",
+        source="Four Over Six (arXiv:2512.02010) and its code "
+        "(mit-han-lab/fouroversix @ dadfad69)",
     )
 )
 

@@ -120,6 +120,7 @@ def _leaf_record(i: int, entries: list, leaf, arrays: dict) -> dict:
             dtype=np.dtype(leaf.dtype).name,
             axes=list(leaf.axes),
             block_shape=list(leaf.block_shape),
+            tensor_block=leaf.tensor_block,
             fields={},
         )
         for f in _QFIELDS:
@@ -218,6 +219,7 @@ def _target_matches(rec: dict, leaf) -> bool:
             and tuple(rec["shape"]) == tuple(leaf.shape)
             and tuple(rec["axes"]) == tuple(leaf.axes)
             and tuple(rec["block_shape"]) == tuple(leaf.block_shape)
+            and rec.get("tensor_block") == leaf.tensor_block
             and rec["dtype"] == np.dtype(leaf.dtype).name
         )
     if trees.is_key(leaf):
@@ -316,6 +318,7 @@ def restore(path: str | os.PathLike, target: Any = None, *, verify: bool = True)
                 dtype=jnp.dtype(r["dtype"]),
                 axes=tuple(r["axes"]),
                 block_shape=tuple(r["block_shape"]),
+                tensor_block=r.get("tensor_block"),
             )
     if target is not None:
         return jax.tree_util.tree_unflatten(treedef, [built[n] for n in names])

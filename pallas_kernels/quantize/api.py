@@ -30,7 +30,7 @@ from lowbit.core.qarray import QArray
 from lowbit.gemm.implementation import Implementation
 from pallas_kernels._common import format_unsupported, select_implementation
 from pallas_kernels.quantize.config import Config, get_default
-from pallas_kernels.quantize.kernel import check_hadamard, quantize_pallas
+from pallas_kernels.quantize.kernel import check_hadamard, plan_unsupported, quantize_pallas
 from pallas_kernels.quantize.reference import quantize_reference
 
 __all__ = ["quantize"]
@@ -50,6 +50,7 @@ def quantize(
     hadamard: int | None = None,
     signs: jax.Array | None = None,
     prescale: float = 1.0,
+    tensor_block: int | None = None,
     implementation: str | None | Implementation = None,
     config: Config | None = None,
     interpret: bool = False,
@@ -64,7 +65,9 @@ def quantize(
       fmt: a format name (every MX format and ``nvfp4``) or BlockFormat.
       axis: the axis the blocks run along: -1/1 (rows, the forward GEMM's activations) or
         0/-2 (columns, for the backward GEMMs).
-      rounding, key, scale_mode, tensor_amax: as in ``lowbit.quantize``.
+      rounding, key, scale_mode, tensor_amax, tensor_block: as in ``lowbit.quantize``; the
+        kernel declines Four Over Six and ``tensor_block`` (the XLA reference computes them,
+        with a warning when ``implementation="pallas"`` asked for the kernel).
       hadamard: None, or a Hadamard block size (16..256, a divisor of ``x.shape[axis]``):
         quantize ``lowbit.core.hadamard.hadamard_transform(x, hadamard, signs=signs, axis=axis)``
         (NVFP4's tensor amax is that of the transformed tensor). The kernel transforms each
@@ -95,7 +98,8 @@ def quantize(
         raise ValueError(f"axis must be 0 or -1 (or 1, -2) for a matrix, got {axis}")
     ax = axis % 2
     check_hadamard(x.shape, ax, hadamard, signs)
-    plan = make_plan(x.shape, fmt, ax, None, scale_mode, rounding, key, tensor_amax, prescale)
+    plan = make_plan(x.shape, fmt, ax, None, scale_mode, rounding, key, tensor_amax, prescale,
+                     tensor_block)
     if config is not None:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a quantize.Config, got {type(config).__name__}")
@@ -104,7 +108,7 @@ def quantize(
     if plan.stochastic and n_padded >= 2**32:
         raise ValueError(f"stochastic rounding supports fewer than 2**32 elements, got {n_padded}")
 
-    unsupported = format_unsupported(fmt)
+    unsupported = format_unsupported(fmt) or plan_unsupported(plan)
     if unsupported is not None:
         pass
     elif x.dtype not in KERNEL_DTYPES:
@@ -124,6 +128,7 @@ def quantize(
             hadamard=hadamard,
             signs=signs,
             prescale=plan.prescale,
+            tensor_block=tensor_block,
         )
     if config is None:
         config = get_default(x.shape, fmt, ax, hadamard)

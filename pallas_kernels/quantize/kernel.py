@@ -48,6 +48,7 @@ from lowbit.core.hadamard import BLOCK_SIZES as HADAMARD_SIZES
 from lowbit.core.numerics import hash_constants, hashed_bits, pow2
 from lowbit.core.plan import Plan
 from lowbit.core.qarray import E8M0_NAN, UE4M3_NAN, QArray, mx_scale_exponent, nvfp4_tensor_scale
+from lowbit.core.scales import FOUR_OVER_SIX_METRICS
 from pallas_kernels import _numerics as nx
 from pallas_kernels._common import round_up
 from pallas_kernels.quantize.config import Config
@@ -350,6 +351,18 @@ def _quantize(
     return codes, scales, t
 
 
+def plan_unsupported(plan: Plan) -> str | None:
+    """Why the kernel cannot compute ``plan``'s options (None if it can): Four Over Six and
+    double-block scales run in the XLA path (``lowbit.quantize``) for now."""
+    if plan.scale_mode in FOUR_OVER_SIX_METRICS:
+        return (f"scale_mode={plan.scale_mode!r} (Four Over Six: two candidate quantizations "
+                "per block) yet; lowbit.quantize computes it")
+    if plan.tensor_block is not None:
+        return (f"tensor_block={plan.tensor_block} (double-block scales) yet; lowbit.quantize "
+                "computes it")
+    return None
+
+
 def quantize_pallas(
     x: jax.Array,
     plan: Plan,
@@ -376,6 +389,8 @@ def quantize_pallas(
             f"{fmt.name}'s own size ({fmt.block_size},), got block_shape {plan.block_shape} "
             f"over axes {plan.axes} of shape {plan.shape} for x of shape {x.shape}"
         )
+    if (why := plan_unsupported(plan)) is not None:
+        raise ValueError(f"the Pallas quantize kernel does not compute {why}")
     (axis,) = plan.axes
     check_hadamard(x.shape, axis, hadamard, signs)
     config.check(fmt, axis, hadamard)

@@ -26,14 +26,17 @@ __all__ = ["quantize_reference"]
 
 @functools.partial(
     jax.jit,
-    static_argnames=("fmt", "axis", "rounding", "scale_mode", "hadamard", "method", "prescale"),
+    static_argnames=("fmt", "axis", "rounding", "scale_mode", "hadamard", "method", "prescale",
+                     "tensor_block"),
 )
 def _quantize_jit(
-    x, key, tensor_amax, signs, *, fmt, axis, rounding, scale_mode, hadamard, method, prescale
+    x, key, tensor_amax, signs, *, fmt, axis, rounding, scale_mode, hadamard, method, prescale,
+    tensor_block,
 ):
     if hadamard is not None:
         x = hadamard_transform(x, hadamard, signs=signs, axis=axis, method=method)
-    plan = make_plan(x.shape, fmt, axis, None, scale_mode, rounding, key, tensor_amax, prescale)
+    plan = make_plan(x.shape, fmt, axis, None, scale_mode, rounding, key, tensor_amax, prescale,
+                     tensor_block)
     return quantize_with_plan(x, plan, key, tensor_amax)
 
 
@@ -50,6 +53,7 @@ def quantize_reference(
     signs: jax.Array | None = None,
     prescale: float = 1.0,
     hadamard_method: str | None = None,
+    tensor_block: int | None = None,
 ) -> QArray:
     """``lowbit.quantize(hadamard_transform(x, hadamard, signs=signs, axis=axis), fmt, axis,
     ...)`` with 1-D blocks of the format's size and the plan prescale ``prescale`` (jitted).
@@ -70,4 +74,5 @@ def quantize_reference(
         hadamard=hadamard,
         method=hadamard_method,
         prescale=float(prescale),
+        tensor_block=tensor_block,
     )

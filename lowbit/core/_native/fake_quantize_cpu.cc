@@ -169,7 +169,7 @@ inline float WithSign(float r, float v) {
 }
 
 enum Kind { kMxFloat = 0, kMxInt = 1, kNvfp4 = 2 };
-enum ScaleMode { kFloor = 0, kCeil = 1, kEven = 2, kRceil = 3 };
+enum ScaleMode { kFloor = 0, kCeil = 1, kEven = 2, kRceil = 3, kOas = 4 };
 
 // Per-block factors. MX: v = x * in1 [* in2] [* prescale], y = (q * out1) * out2.
 // NVFP4: v = x * in1 [* prescale], zero where in1 == 0, y = (q * out1) * out2 (s, then t).
@@ -182,6 +182,7 @@ struct Config {
   Kind kind;
   ScaleMode mode;
   Grid grid;
+  float oas_c;  // OAS's multiplier C (scales.oas_constant), float32
   float prescale;
   bool has_prescale, stochastic, has_tensor_amax;
 };
@@ -189,7 +190,8 @@ struct Config {
 // qarray._mx_scale_exponent, then the exact power-of-two factors of qarray._quantize_blocks.
 // Branch-free, so that a loop over blocks vectorises.
 template <ScaleMode M>
-__attribute__((always_inline)) inline Factors MxFactors(uint32_t amax_bits, const Grid& g) {
+__attribute__((always_inline)) inline Factors MxFactors(uint32_t amax_bits, const Grid& g,
+                                                    float oas_c) {
   Factors f;
   f.finite = amax_bits < kInfBits;
   const float amax = Float(amax_bits);
@@ -204,10 +206,17 @@ __attribute__((always_inline)) inline Factors MxFactors(uint32_t amax_bits, cons
     e = int((rounded >> 23) & 0xFFu) - 127 - g.emax;
   } else if constexpr (M == kRceil) {
     e = exponent - g.emax + (mant > (Bits(g.max) & 0x7FFFFFu) ? 1 : 0);
+  } else if constexpr (M == kOas) {
+    // lowbit.core.scales.mx_scale_exponent("oas"): (amax / max) * C rounded to bfloat16
+    // (nearest even), its power of two; a scale of 1 below 2**-63 (all-zero blocks too).
+    float s = amax / g.max;
+    s = s < 0x1p-63f ? 1.0f : s;
+    const uint32_t b = Bits(s * oas_c);
+    e = int(((b + 0x7FFFu + ((b >> 16) & 1u)) >> 23) & 0xFFu) - 127;
   } else {
     e = exponent - g.emax;
   }
-  e = amax > 0.0f ? e : -127;
+  if constexpr (M != kOas) e = amax > 0.0f ? e : -127;
   e = std::clamp(e, -127, 127);
   const int d_hi = std::clamp(-e, -126, 127);
   const int s_hi = std::clamp(e, -126, 127);
@@ -323,10 +332,11 @@ struct FactorArrays {
 };
 
 template <ScaleMode M>
-void MxFactorsOf(const uint32_t* __restrict m, int64_t n, const Grid& g, float* __restrict in1,
-                 float* __restrict in2, float* __restrict out1, float* __restrict out2) {
+void MxFactorsOf(const uint32_t* __restrict m, int64_t n, const Grid& g, float oas_c,
+                 float* __restrict in1, float* __restrict in2, float* __restrict out1,
+                 float* __restrict out2) {
   for (int64_t i = 0; i < n; ++i) {
-    const Factors f = MxFactors<M>(m[i], g);
+    const Factors f = MxFactors<M>(m[i], g, oas_c);
     in1[i] = f.in1;
     in2[i] = f.in2;
     out1[i] = f.out1;
@@ -352,16 +362,19 @@ void FactorsOf(const uint32_t* m, int64_t n, const Config& c, float t, const Gri
   } else {
     switch (c.mode) {
       case kCeil:
-        MxFactorsOf<kCeil>(m, n, c.grid, in1, in2, out1, out2);
+        MxFactorsOf<kCeil>(m, n, c.grid, c.oas_c, in1, in2, out1, out2);
         break;
       case kEven:
-        MxFactorsOf<kEven>(m, n, c.grid, in1, in2, out1, out2);
+        MxFactorsOf<kEven>(m, n, c.grid, c.oas_c, in1, in2, out1, out2);
         break;
       case kRceil:
-        MxFactorsOf<kRceil>(m, n, c.grid, in1, in2, out1, out2);
+        MxFactorsOf<kRceil>(m, n, c.grid, c.oas_c, in1, in2, out1, out2);
+        break;
+      case kOas:
+        MxFactorsOf<kOas>(m, n, c.grid, c.oas_c, in1, in2, out1, out2);
         break;
       default:
-        MxFactorsOf<kFloor>(m, n, c.grid, in1, in2, out1, out2);
+        MxFactorsOf<kFloor>(m, n, c.grid, c.oas_c, in1, in2, out1, out2);
     }
   }
 }
@@ -896,14 +909,15 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::U32> key, ffi::Buffer<ffi::F32> tensor_amax,
                             ffi::Buffer<ffi::F32> signs, ffi::ResultBuffer<ffi::F32> y,
                             int32_t kind, int32_t scale_mode, int32_t mbits, int32_t emin,
-                            int32_t emax, float max, float prescale, int32_t stochastic,
+                            int32_t emax, float max, float oas_c, float prescale,
+                            int32_t stochastic,
                             int32_t has_tensor_amax, int64_t outer, int64_t a_len,
                             int64_t a_pad, int64_t mid, int64_t c_len, int64_t c_pad,
                             int64_t inner, int64_t block_a, int64_t block_c, int32_t hadamard,
                             int32_t has_signs, float hadamard_scale) {
   const int64_t n = static_cast<int64_t>(x.element_count());
   const int64_t nbatch = static_cast<int64_t>(tensor_amax.element_count());
-  if (kind < kMxFloat || kind > kNvfp4 || scale_mode < kFloor || scale_mode > kRceil) {
+  if (kind < kMxFloat || kind > kNvfp4 || scale_mode < kFloor || scale_mode > kOas) {
     return Invalid("bad kind or scale_mode");
   }
   Layout L{outer, a_len, a_pad, mid, c_len, c_pad, inner, block_a, block_c, hadamard};
@@ -937,6 +951,7 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   Config c{static_cast<Kind>(kind),
            static_cast<ScaleMode>(scale_mode),
            Grid(mbits, emin, emax, max),
+           oas_c,
            prescale,
            prescale != 1.0f,
            stochastic != 0,
@@ -1004,6 +1019,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitFakeQuantize, FakeQuantizeImpl,
                                   .Attr<int32_t>("emin")
                                   .Attr<int32_t>("emax")
                                   .Attr<float>("max")
+                                  .Attr<float>("oas_c")
                                   .Attr<float>("prescale")
                                   .Attr<int32_t>("stochastic")
                                   .Attr<int32_t>("has_tensor_amax")

@@ -1,0 +1,188 @@
+"""Block-scale rules: the MX shared exponent (OCP's rules and OAS) and NVFP4's scales (the
+E4M3 rule and Four Over Six).
+
+Everything here is float32 / int32 arithmetic on per-block values (the block maxima), except
+:func:`four_over_six`, which quantizes each block twice and keeps the better candidate. The
+rules are chosen by :attr:`lowbit.core.plan.Plan.scale_mode` (checked once, in
+``lowbit.core.plan.scale_mode_of``); ``lowbit.core.qarray`` applies them and the Pallas quantize
+kernel calls the same functions inside its kernel body.
+
+>>> import jax.numpy as jnp
+>>> from lowbit.core.formats import get
+>>> e2m1 = get("mxfp4").elem
+>>> [int(mx_scale_exponent(jnp.float32(a), e2m1, "oas")) for a in (6.5, 7.5)]
+[0, 1]
+>>> [int(mx_scale_exponent(jnp.float32(a), e2m1, "floor")) for a in (6.5, 7.5)]
+[0, 0]
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from lowbit.core.formats import E4M3, ElementFormat
+from lowbit.core.numerics import exponent, fmix32, ieee_div, round_to_grid
+
+__all__ = [
+    "mx_scale_exponent",
+    "oas_constant",
+    "nvfp4_tensor_scale",
+    "four_over_six",
+    "FOUR_OVER_SIX_METRICS",
+    "FOUR_OVER_SIX_E4M3_BOUND",
+]
+
+FOUR_OVER_SIX_METRICS = {"4over6": "mse", "4over6_mae": "mae", "4over6_max": "max"}
+"""Four Over Six's scale modes and the block error each one minimises."""
+
+FOUR_OVER_SIX_E4M3_BOUND = 256.0
+"""The E4M3 bound of Four Over Six's tensor scale (448 for plain NVFP4): with the block amax
+scaled to 4 the block scale grows by 1.5, and 1.5 * 256 = 384 still fits E4M3."""
+
+_OAS_TINY = np.float32(2.0**-63)  # sqrt(float32 tiny): below it qwix takes a scale of 1
+
+
+def oas_constant(elem: ElementFormat) -> float:
+    """OAS's multiplier ``C`` of ``amax / elem.max`` for an MX element format (float64).
+
+    qwix (google/qwix @ aa623acb, ``qwix/_src/core/qarray.py:557-581``) writes the rule as
+    ``C = 2 / r`` with ``r`` the ratio of the rounding boundary above the largest mantissa
+    to that mantissa: ``r = 7/6`` for E2M1 (``C = 12/7``) and ``r = 31/30`` for E4M3
+    (``C = 60/31``). The largest mantissa of a full binade with ``m`` mantissa bits is
+    ``2 - 2**-m`` and the boundary is half an ulp above it, so for every float element
+    format ``C = (2**(m+3) - 4) / (2**(m+2) - 1)``: 12/7 for E2M1, 28/15 for E3M2 and E5M2,
+    60/31 for E2M3 and E4M3 (qwix's value: it counts E4M3's top code, which is NaN, as a
+    mantissa, so a block whose amax lies in [462.9, 464) * 2**k takes the larger scale).
+    MX INT8 (values ``k / 64``, largest 127 / 64): ``r = 127.5 / 127``, ``C = 508 / 255``.
+    qwix has only E2M1 and E4M3; the other formats follow the same derivation.
+    """
+    if elem.is_int:
+        return 2.0 * elem.max / (elem.max + 2.0 ** -(elem.int_shift + 1))
+    m = elem.mbits
+    return (2.0 ** (m + 3) - 4.0) / (2.0 ** (m + 2) - 1.0)
+
+
+def _bf16_round_bits(s: jax.Array) -> jax.Array:
+    """The int32 bit pattern of float32 ``s`` (finite, positive) rounded to bfloat16, nearest
+    even (``astype(bfloat16)``'s rounding), as a float32 bit pattern."""
+    bits = lax.bitcast_convert_type(s, jnp.int32)
+    return bits + 0x7FFF + ((bits >> 16) & 1)
+
+
+def mx_scale_exponent(amax: jax.Array, elem: ElementFormat, mode: str) -> jax.Array:
+    """Shared exponent (int32, clamped to [-127, 127]) of MX blocks with absolute max amax.
+
+    ``"floor"``: OCP MX v1.0, ``floor(log2(amax)) - emax``; ``"ceil"``: ``ceil(log2(amax)) -
+    emax``; ``"even"``: amax rounded to the element precision first; ``"rceil"``: the smallest
+    scale that does not clip; ``"oas"``: OAS (arXiv 2603.08713) as qwix computes it
+    (``qwix/_src/core/qarray.py:557-581`` @ aa623acb): ``s = amax / elem.max`` (a float32
+    division), ``s = 1`` where ``s < 2**-63``, then ``s * C`` (:func:`oas_constant`) rounded
+    to bfloat16 and truncated to its power of two. A scale ``2**k`` is chosen for amax in
+    ``[3.5, 7) * 2**k`` (E2M1) instead of OCP's ``[4, 8) * 2**k``: neither the range waste of
+    ``ceil`` nor the clipping of ``floor`` (the bfloat16 step moves each boundary down by a
+    factor 1 - 2**-9, as in qwix).
+    """
+    bits = lax.bitcast_convert_type(amax, jnp.int32)
+    mant = bits & 0x7FFFFF
+    if mode == "floor":  # OCP MX v1.0: floor(log2(amax)) - emax
+        e = exponent(amax) - elem.emax
+    elif mode == "ceil":  # ceil(log2(amax)) - emax
+        e = exponent(amax) + (mant != 0).astype(jnp.int32) - elem.emax
+    elif mode == "even":
+        # amax first rounded to the element's precision (ties away from zero), then floor:
+        # a block whose largest value would round up into the next binade gets that binade.
+        half = 1 << (23 - elem.mbits - 1)
+        rounded = (bits + half) & ~((1 << (23 - elem.mbits)) - 1)
+        e = ((rounded >> 23) & 0xFF) - 127 - elem.emax
+    elif mode == "rceil":  # smallest e with elem.max * 2**e >= amax
+        m_bits = int(np.float32(elem.max).view(np.int32))
+        e = exponent(amax) - elem.emax + (mant > (m_bits & 0x7FFFFF)).astype(jnp.int32)
+    elif mode == "oas":
+        s = ieee_div(amax, np.float32(elem.max))
+        s = jnp.where(s < _OAS_TINY, np.float32(1.0), s)
+        # s * C with C kept out of XLA's constant folding (s * 0 is 0 for finite s)
+        sc = s * (np.float32(oas_constant(elem)) + s * np.float32(0))
+        e = ((_bf16_round_bits(sc) >> 23) & 0xFF) - 127
+        # qwix's scale is 1 (e = 0) for an all-zero block too
+        return jnp.clip(e, -127, 127)
+    else:  # pragma: no cover - checked in make_plan
+        raise ValueError(mode)
+    # amax == 0 (and float32 subnormals, flushed on CPU) -> the smallest scale, 2**-127.
+    e = jnp.where(amax > 0, e, -127)
+    return jnp.clip(e, -127, 127)
+
+
+def nvfp4_tensor_scale(tensor_amax: jax.Array, elem_max: float = 6.0) -> jax.Array:
+    """NVFP4's float32 tensor scale ``t = amax / (448 * elem_max)`` (``elem_max`` 6 for NVFP4,
+    7 for INT4), correctly rounded (an IEEE division XLA cannot rewrite into a multiplication
+    by a rounded reciprocal)."""
+    return ieee_div(jnp.asarray(tensor_amax, jnp.float32), np.float32(E4M3.max * elem_max))
+
+
+def _block_error(d: jax.Array, metric: str, block_axes) -> jax.Array:
+    if metric == "max":
+        return jnp.max(jnp.abs(d), axis=block_axes, keepdims=True)
+    e = jnp.abs(d) if metric == "mae" else d * d
+    return jnp.sum(e, axis=block_axes, keepdims=True)
+
+
+def four_over_six(xb, amax, tamax, block_axes, elem: ElementFormat, metric: str, *,
+                  rbits=None, prescale: float = 1.0):
+    """Four Over Six (arXiv 2512.02010): each NVFP4 block quantized with its scale taking the
+    block amax to 6 and to 4, keeping the candidate with the smaller error.
+
+    ``xb`` float32 in a plan's blocked layout, ``amax`` its block maxima (keepdims), ``tamax``
+    the tensor amax (scalar float32), ``block_axes`` the in-block dims. Returns
+    ``(q, s, t, v)``: the chosen elements on the E2M1 grid, the chosen E4M3 block scales
+    (keepdims), the float32 tensor scale and the chosen scaled elements before rounding (for
+    ``clip_gradient``); the values are ``(q * s) * t``.
+
+    The arithmetic of mit-han-lab/fouroversix @ dadfad69,
+    ``src/fouroversix/quantize/pytorch/reference.py``: ``encode = 1536 / tamax`` (6 times the
+    E4M3 bound 256, :data:`FOUR_OVER_SIX_E4M3_BOUND`; lines 204-211, ``utils.py:301-307``),
+    ``decode = 1 / encode`` (227-234); the 6-candidate's unrounded scale ``hp6 = (amax / 6) *
+    encode`` (212-220) and the 4-candidate's ``hp4 = hp6 * 1.5`` (222-223), each rounded to
+    E4M3 (nearest even, subnormals kept); elements ``x * (1 / (decode * s))``, zero where
+    ``s == 0`` (235-239), rounded to nearest-even E2M1 with saturation at 6 (the released
+    Triton and CUDA kernels' ``cvt.rn.satfinite``; the PyTorch reference does not saturate, so
+    for a subnormal 6-scale it can produce 8, which its packer stores as -0); candidate values
+    ``((q * s) * tamax) / 1536`` compared with ``x`` by the summed squared error (``mse``),
+    summed absolute error (``mae``) or the largest absolute error (``max``), 4 kept only where
+    its error is strictly smaller, so ties keep 6 (303-325). A tensor amax of 0 zeroes the
+    tensor (197-202). lowbit stores ``t = decode``, so its values ``(q * s) * decode`` can
+    differ from the reference's ``((q * s) * tamax) / 1536`` by one float32 rounding; the
+    codes and scales are the reference's. Stochastic rounding (gradients in the paper's
+    recipe) draws each candidate's bits independently, as ``torch.rand_like`` twice does:
+    the 6-candidate from ``rbits``, the 4-candidate from ``fmix32`` of them. ``prescale``
+    multiplies the scaled elements before rounding (lowbit's :attr:`Plan.prescale`, divided
+    out of the values by the caller); the reference instead folds its stochastic 16/17 into
+    the encode constant.
+    """
+    big = np.float32(elem.max * FOUR_OVER_SIX_E4M3_BOUND)  # 1536
+    live = tamax > 0
+    encode = ieee_div(big, jnp.where(live, tamax, np.float32(1.0)))
+    live = live & jnp.isfinite(encode)
+    decode = jnp.where(live, ieee_div(np.float32(1.0), encode), np.float32(0.0))
+    hp6 = ieee_div(amax, np.float32(elem.max)) * jnp.where(live, encode, np.float32(0.0))
+    hp4 = hp6 * (np.float32(1.5) + hp6 * np.float32(0))
+    rbits4 = None if rbits is None else fmix32(rbits ^ jnp.uint32(0x5BD1E995))
+    cands = []
+    for hp, rb in ((hp6, rbits), (hp4, rbits4)):
+        s = round_to_grid(jnp.where(live, hp, 0.0), E4M3, saturate=True)
+        nz = s > 0
+        r = jnp.where(nz, ieee_div(np.float32(1.0), decode * jnp.where(nz, s, 1.0)), 0.0)
+        v = xb * r
+        if prescale != 1.0:
+            v = v * np.float32(prescale)
+        q = round_to_grid(jnp.where(nz, v, 0.0), elem, rbits=rb, saturate=True)
+        deq = ieee_div((q * s) * tamax, big)
+        if prescale != 1.0:
+            deq = ieee_div(deq, np.float32(prescale))
+        cands.append((q, s, v, _block_error(deq - xb, metric, block_axes)))
+    (q6, s6, v6, err6), (q4, s4, v4, err4) = cands
+    pick4 = err4 < err6
+    return (jnp.where(pick4, q4, q6), jnp.where(pick4, s4, s6), decode,
+            jnp.where(pick4, v4, v6))
