@@ -375,3 +375,100 @@ def test_double_block_bytes_checkpoint_and_errors(tmp_path):
     np.testing.assert_array_equal(np.asarray(p.tensor_scale),
                                   np.asarray(lb.quantize(x[:, :192], "nvfp4",
                                                          tensor_block=128).tensor_scale))
+
+
+# --------------------------------------------------------------------------------------------
+# MS-EDEN (Quartet II's released kernels), transcribed
+
+OVERRIDE = (17 / 16) * 0.93  # kernels/python/quartet2/linear.py:198
+
+
+def eden_reference(v):
+    """IST-DASLab/Quartet-II @ 8776a90b7aa0c0a400ad858a3c05a66f7ec55b73,
+    kernels/csrc/had128_utils.cuh:181-226 and group_transform_and_eden.cu:210-266, for
+    groups ``v`` [n, 16] (float32, already rotated), exact reciprocals in place of
+    rcp.approx. Returns (q, s1 / ts, ts): the final codes, the corrected block scale relative
+    to the tensor scale (the value the kernel rounds stochastically to E4M3) and the tensor
+    scale."""
+    v = np.asarray(v, F32)
+    inv_fp4_max = F32(1.0) / F32(6.0 / OVERRIDE)  # quant.py:390, rht128_eden.cu:159
+    scale = np.abs(v).max(-1) * inv_fp4_max
+    m3 = (scale.view(np.uint32) & np.uint32(0b1111111111111 << 19)).view(F32)  # :190
+    with np.errstate(divide="ignore"):
+        factor = np.where(m3 > 0, F32(1.0) / m3, F32(0))
+    u = v * factor[:, None]
+    q = _e2m1_rne(u)
+    xx = (u.astype(np.float64) ** 2).sum(-1)
+    xy = (u.astype(np.float64) * q).sum(-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        corr = np.where(xy == 0, 1.0, xx / xy).astype(F32)
+    s1 = (m3 * corr).astype(ml_dtypes.bfloat16).astype(F32)  # scales[...] = bf16(fixed_scale)
+    ts = F32(s1.max()) * F32(1 / 256)  # group_transform_and_eden.cu:221
+    with np.errstate(divide="ignore"):
+        pre = s1 * (F32(1) / ts if ts > 0 else F32(0))
+    return q, pre, ts
+
+
+def test_ms_eden_codes_scales_and_tensor_scale_match_the_released_kernels():
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((16, 256)).astype(F32)
+    x[3, 32:48] = 0.0  # an all-zero group: scale code 0
+    q = lb.quantize(jnp.asarray(x), "nvfp4", rounding="eden", key=jax.random.key(3))
+    rq, pre, ts = eden_reference(x.reshape(-1, 16))
+    assert np.asarray(q.tensor_scale) == ts
+    s = np.asarray(q.scales).reshape(-1).view(ml_dtypes.float8_e4m3fn).astype(F32)
+    # the scale is one of the two E4M3 neighbours of s1 / ts (exactly it when representable)
+    lo = pre.astype(ml_dtypes.float8_e4m3fn).astype(F32)
+    lo = np.where(lo > pre, np.nextafter(lo.astype(ml_dtypes.float8_e4m3fn),
+                                         np.float32(0).astype(ml_dtypes.float8_e4m3fn)
+                                         ).astype(F32), lo)
+    hi = np.where(lo == pre, lo, np.nextafter(lo.astype(ml_dtypes.float8_e4m3fn),
+                                              np.float32(448).astype(ml_dtypes.float8_e4m3fn)
+                                              ).astype(F32))
+    assert np.all((s == lo) | (s == hi))
+    assert s[3 * 16 + 2] == 0
+    y = np.asarray(lb.dequantize(q)).reshape(-1, 16)
+    np.testing.assert_array_equal(y, (rq * s[:, None]) * ts)  # the codes are the kernels'
+
+
+def test_ms_eden_scale_rounding_is_unbiased_and_halves_stochastic_roundings_error():
+    x = jax.random.normal(jax.random.key(5), (4, 128))
+    keys = jax.random.split(jax.random.key(6), 4000)
+    qs = jax.jit(jax.vmap(lambda k: lb.quantize(x, "nvfp4", rounding="eden", key=k)))(keys)
+    s = np.asarray(qs.scales).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    _, pre, _ = eden_reference(np.asarray(x).reshape(-1, 16))
+    # mean over keys of the E4M3 scale -> s1 / ts (16-bit noise: bias below 2**-16 of a step)
+    np.testing.assert_allclose(s.mean(0).reshape(-1), pre, rtol=2e-3)
+
+    def one(k, fn):
+        k1, k2 = jax.random.split(k)
+        sg = lb.core.hadamard.random_signs(k1, 128)
+        z = lb.core.hadamard.hadamard_transform(x, 128, signs=sg)
+        return lb.core.hadamard.hadamard_transform(fn(z, k2), 128, signs=sg, inverse=True)
+
+    def eden(z, k):
+        return lb.fake_quantize(z, "nvfp4", rounding="eden", key=k)
+
+    def sr(z, k):
+        return lb.fake_quantize(z, "nvfp4", rounding="stochastic", key=k)
+
+    ye = jax.jit(jax.vmap(lambda k: one(k, eden)))(keys)
+    ys = jax.jit(jax.vmap(lambda k: one(k, sr)))(keys)
+    err = lambda y: float(jnp.mean((y - x[None]) ** 2) / jnp.mean(x**2))  # noqa: E731
+    single_e, single_s = err(ye), err(ys)
+    assert 0.35 < single_e / single_s < 0.65, (single_e, single_s)
+    # unbiased: the error of the mean over n draws falls as 1/n
+    m100, m4000 = err(ye[:100].mean(0)[None]), err(ye.mean(0)[None])
+    assert m100 < 3 * single_e / 100 and m4000 < 3 * single_e / 4000, (single_e, m100, m4000)
+
+
+def test_eden_errors():
+    x = jnp.ones((4, 32))
+    with pytest.raises(ValueError, match="PRNG key"):
+        lb.quantize(x, "nvfp4", rounding="eden")
+    with pytest.raises(ValueError, match="NVFP4"):
+        lb.quantize(x, "mxfp4", rounding="eden", key=jax.random.key(0))
+    spec = lb.recipes.QuantSpec("nvfp4", rounding="eden")
+    with pytest.raises(ValueError, match="Hadamard transform of 128"):
+        lb.recipes.GemmSpec(spec, spec, hadamard=16)
+    lb.recipes.GemmSpec(spec, spec, hadamard=128)

@@ -335,6 +335,8 @@ def supports(plan, hadamard: int | None = None) -> bool:
         return False  # Four Over Six: no per-block choice of candidates here, the XLA path
     if plan.tensor_block is not None:
         return False  # double-block scales: no outer blocks here, the XLA path
+    if plan.eden:
+        return False  # MS-EDEN: no scale correction here, the XLA path
     if hadamard is not None:
         if len(plan.axes) != 1 or hadamard not in _hadamard.BLOCK_SIZES:
             return False

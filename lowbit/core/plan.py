@@ -31,7 +31,8 @@ from lowbit.core.formats import BlockFormat
 from lowbit.core.scales import FOUR_OVER_SIX_METRICS
 
 __all__ = [
-    "Plan", "make_plan", "scale_mode_of", "check_prescale", "check_tensor_block", "SCALE_MODES",
+    "Plan", "make_plan", "scale_mode_of", "check_prescale", "check_tensor_block", "check_eden",
+    "SCALE_MODES",
     "NVFP4_SCALE_MODES", "ROUNDINGS",
 ]
 
@@ -43,7 +44,10 @@ NVFP4_SCALE_MODES = ("nvfp4", *FOUR_OVER_SIX_METRICS)
 Six (``"4over6"``, ``"4over6_mae"``, ``"4over6_max"``: the candidate scaling the block amax to
 4 or to 6 with the smaller summed squared, summed absolute or largest error;
 ``lowbit.core.scales.four_over_six``)."""
-ROUNDINGS = ("nearest", "stochastic")
+ROUNDINGS = ("nearest", "stochastic", "eden")
+"""Element rounding: nearest-even, stochastic, or (NVFP4) MS-EDEN: nearest-even elements under
+a block scale that an EDEN factor corrects and stochastic rounding puts on the E4M3 grid
+(Quartet II; ``lowbit.core.scales.ms_eden``)."""
 
 
 
@@ -68,6 +72,8 @@ class Plan:
       stochastic: stochastic rounding (the caller passes the key) instead of nearest-even.
       prescale: the scaled elements are multiplied by this before rounding, the values
         divided by it after (:func:`undo_prescale`); a recipe's ``QuantSpec.prescale``.
+      eden: MS-EDEN (``rounding="eden"``, NVFP4): the block scales are EDEN-corrected and
+        rounded stochastically (the caller passes the key), the elements to nearest.
       tensor_block: NVFP4 only, None or a multiple of the block: TetraJet-v2's double-block
         scaling, a float32 outer scale per ``tensor_block`` elements along the axis (in
         place of the tensor scale) above the E4M3 block scales.
@@ -83,6 +89,7 @@ class Plan:
     stochastic: bool
     prescale: float = 1.0
     tensor_block: int | None = None
+    eden: bool = False
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
@@ -236,6 +243,21 @@ def check_tensor_block(fmt: BlockFormat, tensor_block, block_shape=None, scale_m
     return tensor_block
 
 
+def check_eden(fmt: BlockFormat, scale_mode=None, tensor_block=None, tensor_amax=None,
+               prescale: float = 1.0) -> None:
+    """An error naming what does not combine with ``rounding="eden"`` (MS-EDEN), if anything."""
+    clash = [n for n, bad in (
+        (f"format {fmt.name} (MS-EDEN is NVFP4's)", not fmt.is_nvfp4),
+        (f"scale_mode={scale_mode!r}", scale_mode not in (None, "nvfp4")),
+        (f"tensor_block={tensor_block}", tensor_block is not None),
+        ("a calibrated tensor_amax (its tensor scale comes from the corrected block scales)",
+         tensor_amax is not None),
+        (f"prescale={prescale} (its scale override, 0.988125, is built in)", prescale != 1.0),
+    ) if bad]
+    if clash:
+        raise ValueError(f"rounding='eden' does not combine with {', '.join(clash)}")
+
+
 def _check_tensor_amax(fmt: BlockFormat, tensor_amax) -> None:
     if fmt.is_absmean:
         if tensor_amax is not None:
@@ -290,13 +312,15 @@ def make_plan(
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     stochastic = rounding == "stochastic"
-    if stochastic and key is None:
-        raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
+    if rounding != "nearest" and key is None:
+        raise ValueError(f"rounding={rounding!r} needs a PRNG key: pass key=jax.random.key(...)")
     scale_mode = scale_mode_of(fmt, scale_mode)
     _check_tensor_amax(fmt, tensor_amax)
     prescale = check_prescale(prescale)
     tensor_block = check_tensor_block(fmt, tensor_block, block_shape, scale_mode, tensor_amax)
+    if rounding == "eden":
+        check_eden(fmt, scale_mode, tensor_block, tensor_amax, prescale)
     other = tuple(i for i in range(ndim) if i not in axes)
     padded = tuple(-(-shape[a] // b) * b for a, b in zip(axes, block_shape, strict=True))
     return Plan(fmt, tuple(shape), axes, block_shape, other + axes, padded, scale_mode,
-                stochastic, prescale, tensor_block)
+                stochastic, prescale, tensor_block, rounding == "eden")

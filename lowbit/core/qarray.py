@@ -52,6 +52,7 @@ from lowbit.core.plan import (  # the plan's home; re-exported here for qarray's
 from lowbit.core.scales import (  # the scale rules' home; re-exported here
     FOUR_OVER_SIX_METRICS,
     four_over_six,
+    ms_eden,
     mx_scale_exponent,
     nvfp4_tensor_scale,
 )
@@ -358,6 +359,8 @@ def _quantize_blocks(xb, plan: Plan, key, tensor_amax, want_clip: bool) -> _Quan
 
     if plan.tensor_block is not None:
         return _double_block(xb, plan, amax_bits, finite, rbits, want_clip)
+    if plan.eden:
+        return _eden_blocks(xb, plan, key, amax, finite, want_clip)
     # NVFP4 (and INT4): a float32 tensor scale and unsigned-E4M3 block scales.
     if tensor_amax is None:
         # The tensor amax ignores NaN and Inf values (not the finite values beside them):
@@ -445,6 +448,23 @@ def _double_block(xb, plan: Plan, amax_bits, finite, rbits, want_clip):
         return undo_prescale((elems * s) * t, plan.prescale)
 
     return _Quantized(q, code, mul, finite, clipped, tensor_scale=big)
+
+
+def _eden_blocks(xb, plan: Plan, key, amax, finite, want_clip):
+    """NVFP4 with MS-EDEN block scales (``lowbit.core.scales.ms_eden``); the scale's random
+    bits are the top 16 of one keyed word per block."""
+    noise = uniform_bits(key, amax.shape) >> 16
+    q, s, ts = ms_eden(xb, amax, finite, plan.block_axes, plan.fmt.elem, noise)
+    clipped = None
+    if want_clip:  # the elements are scaled by 1 / s0, whose block max is above 6 by design
+        clipped = jnp.zeros(xb.shape, bool)
+    code = jnp.where(finite, encode_elements(s, E4M3), jnp.uint8(UE4M3_NAN))
+    s_or_nan = jnp.where(finite, s, np.float32(np.nan))
+
+    def mul(elems, s=s_or_nan, t=ts):
+        return (elems * s) * t
+
+    return _Quantized(q, code, mul, finite, clipped, tensor_scale=ts)
 
 
 def _four_over_six_blocks(xb, plan: Plan, amax, tamax, finite, rbits, want_clip):

@@ -33,6 +33,8 @@ __all__ = [
     "four_over_six",
     "FOUR_OVER_SIX_METRICS",
     "FOUR_OVER_SIX_E4M3_BOUND",
+    "ms_eden",
+    "EDEN_SCALE_OVERRIDE",
 ]
 
 FOUR_OVER_SIX_METRICS = {"4over6": "mse", "4over6_mae": "mae", "4over6_max": "max"}
@@ -186,3 +188,74 @@ def four_over_six(xb, amax, tamax, block_axes, elem: ElementFormat, metric: str,
     pick4 = err4 < err6
     return (jnp.where(pick4, q4, q6), jnp.where(pick4, s4, s6), decode,
             jnp.where(pick4, v4, v6))
+
+
+EDEN_SCALE_OVERRIDE = (17 / 16) * 0.93
+"""Quartet II's backward scale override (``kernels/python/quartet2/linear.py:198``): the block
+scale is ``amax * override / 6``, so a block's largest element lands near 6.07 and
+saturates to 6."""
+
+# quant.py:390-391 passes fp4_max = 6.0 / override (a Python float), the launchers
+# inv_fp4_max = 1.f / fp4_max (float32, rht128_eden.cu:159) and inv_fp8_max = 1.f / 256.
+_EDEN_INV_FP4_MAX = np.float32(1.0) / np.float32(6.0 / EDEN_SCALE_OVERRIDE)
+_EDEN_FP8_MAX = 256.0
+
+
+def _bf16(v: jax.Array) -> jax.Array:
+    """float32 ``v`` rounded to bfloat16 (nearest even), as float32."""
+    b = _bf16_round_bits(v) & ~0xFFFF
+    return lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _e4m3_stochastic(v: jax.Array, noise16: jax.Array) -> jax.Array:
+    """Quartet II's stochastic rounding of non-negative float32 ``v`` onto the E4M3 grid
+    (``kernels/csrc/utils.cuh:365-382``): inside E4M3's normal range [2**-6, 448] the 20
+    mantissa bits that E4M3 drops are compared with ``(noise16 << 4)``; above the threshold
+    they are all set (the nearest-even cast then rounds up), else cleared (exact); outside
+    that range, nearest-even with saturation. ``noise16``: uint32 holding 16 random bits."""
+    bits = lax.bitcast_convert_type(v, jnp.uint32)
+    mask = jnp.uint32(0xFFFFF)
+    up = (bits & mask) > ((noise16 << 4) & mask)
+    dithered = lax.bitcast_convert_type(jnp.where(up, bits | mask, bits & ~mask), jnp.float32)
+    inside = (v <= np.float32(E4M3.max)) & (v >= np.float32(2.0**-6))
+    return round_to_grid(jnp.where(inside, dithered, v), E4M3, saturate=True)
+
+
+def ms_eden(xb, amax, finite, block_axes, elem: ElementFormat, noise16):
+    """MS-EDEN (Quartet II, arXiv 2601.22813), the unbiased NVFP4 quantizer of its backward, as
+    the released kernels compute it (IST-DASLab/Quartet-II @ 8776a90b,
+    ``kernels/csrc/had128_utils.cuh:181-226`` and ``group_transform_and_eden.cu:210-266``).
+
+    ``xb`` float32 in a plan's blocked layout (blocks of 16, already rotated by the GEMM's random
+    Hadamard of 128), ``amax`` its block maxima (keepdims), ``finite`` the finite blocks,
+    ``noise16`` uint32 per block holding 16 random bits. Per block:
+
+    - ``s0 = amax * (1 / (6 / override))`` truncated to 4 mantissa bits (a mask of the float32
+      bits, not an E4M3 rounding), ``override = (17/16) * 0.93``;
+    - elements ``q = E2M1(x * (1 / s0))``, nearest-even, saturating (the largest lands at
+      6.07..6.45 and becomes 6); these codes are final;
+    - the EDEN factor ``c = sum(u**2) / sum(u * q)`` with ``u = x / s0`` (1 where the
+      denominator is 0), and the corrected scale ``s1 = bfloat16(s0 * c)``;
+    - the tensor scale ``ts = max(s1) / 256`` (over the finite blocks), and the block scale
+      ``s1 / ts`` rounded stochastically onto the E4M3 grid (:func:`_e4m3_stochastic`).
+
+    Returns ``(q, s, ts)``: values ``(q * s) * ts``, whose mean over the noise is ``q * s1``.
+    The kernels take reciprocals with ``rcp.approx.ftz``; lowbit's are exact. The research
+    scheme (``src/models/quantization/schemes/quartet_2.py``) differs: one EDEN factor per
+    128-element chunk, E4M3 block scales relative to a tensor scale from the rotated amax
+    before the correction, ties away from zero, and ``tl.rand`` for the scale's rounding.
+    """
+    s = amax * _EDEN_INV_FP4_MAX
+    s0 = lax.bitcast_convert_type(
+        lax.bitcast_convert_type(s, jnp.uint32) & jnp.uint32(0xFFF80000), jnp.float32)
+    live = s0 > 0
+    u = xb * jnp.where(live, ieee_div(np.float32(1.0), jnp.where(live, s0, 1.0)), 0.0)
+    q = round_to_grid(u, elem, saturate=True)
+    xx = jnp.sum(u * u, axis=block_axes, keepdims=True)
+    xy = jnp.sum(u * q, axis=block_axes, keepdims=True)
+    nz = xy != 0
+    c = jnp.where(nz, xx * ieee_div(np.float32(1.0), jnp.where(nz, xy, 1.0)), 1.0)
+    s1 = jnp.where(finite, _bf16(s0 * c), 0.0)
+    ts = jnp.max(s1) * np.float32(1.0 / _EDEN_FP8_MAX)
+    inv = jnp.where(ts > 0, ieee_div(np.float32(1.0), jnp.where(ts > 0, ts, 1.0)), 0.0)
+    return q, _e4m3_stochastic(s1 * inv, noise16), ts

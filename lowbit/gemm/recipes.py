@@ -30,7 +30,13 @@ from __future__ import annotations
 import dataclasses
 
 from lowbit.core import formats as _formats
-from lowbit.core.plan import ROUNDINGS, check_prescale, check_tensor_block, scale_mode_of
+from lowbit.core.plan import (
+    ROUNDINGS,
+    check_eden,
+    check_prescale,
+    check_tensor_block,
+    scale_mode_of,
+)
 
 __all__ = [
     "QuantSpec",
@@ -130,12 +136,22 @@ class QuantSpec:
             scale_mode_of(fmt, self.scale_mode)  # the one check of a scale mode
             object.__setattr__(self, "tensor_block", check_tensor_block(
                 fmt, self.tensor_block, self.block_shape, self.scale_mode, self.amax))
+            if self.rounding == "eden":
+                check_eden(fmt, self.scale_mode, self.tensor_block, self.amax,
+                           check_prescale(self.prescale))
+                if self.block_shape not in (None, (fmt.block_size,)):
+                    raise ValueError(
+                        f"rounding='eden' takes NVFP4's 1-D blocks of 16, got block_shape "
+                        f"{self.block_shape}"
+                    )
         else:
             raise ValueError(
                 f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}"
             )
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if self.rounding == "eden" and self.granularity != "block":
+            raise ValueError("rounding='eden' (MS-EDEN) is NVFP4's: granularity must be 'block'")
         if self.granularity != "block" and self.scale_mode is not None:
             raise ValueError(
                 f"scale_mode={self.scale_mode!r} does not apply to granularity="
@@ -191,7 +207,8 @@ class QuantSpec:
 
     @property
     def stochastic(self) -> bool:
-        return self.rounding == "stochastic"
+        """Whether quantizing draws random bits (stochastic rounding, or MS-EDEN's scales)."""
+        return self.rounding in ("stochastic", "eden")
 
     @property
     def bits_per_element(self) -> float:
@@ -232,6 +249,13 @@ class GemmSpec:
     def __post_init__(self):
         if self.signs_of is not None and self.signs_of not in GEMMS:
             raise ValueError(f"signs_of must be one of {GEMMS} or None, got {self.signs_of!r}")
+        eden = [s for s in (self.lhs, self.rhs) if s is not None and s.rounding == "eden"]
+        if eden and (self.hadamard != 128 or not self.random_signs):
+            raise ValueError(
+                "rounding='eden' (MS-EDEN) is unbiased only after a random Hadamard transform "
+                f"of 128 along the GEMM's contraction axis: this GEMM has hadamard="
+                f"{self.hadamard}, random_signs={self.random_signs}"
+            )
 
     @property
     def active(self) -> bool:

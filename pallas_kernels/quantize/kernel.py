@@ -360,6 +360,8 @@ def plan_unsupported(plan: Plan) -> str | None:
     if plan.tensor_block is not None:
         return (f"tensor_block={plan.tensor_block} (double-block scales) yet; lowbit.quantize "
                 "computes it")
+    if plan.eden:
+        return "rounding='eden' (MS-EDEN) yet; lowbit.quantize computes it"
     return None
 
 
