@@ -212,7 +212,8 @@ def test_kernel_supports():
         rows = any(s is not None and s.granularity == "row" for s in pair)
         ints = any(s is not None and s.format in ("int4", "ternary") for s in pair)
         # Four Over Six's candidate scales and double-block scales run in the emulation
-        fos = any(s is not None and (s.scale_mode or "").startswith("4over6") for s in pair)
+        fos = any(s is not None and ((s.scale_mode or "").startswith("4over6")
+                                     or s.rounding == "eden") for s in pair)
         expected = not (tensor or tiles or quest or rows or ints or fos)  # weight-only too
         assert kernel_supports(*pair)[0] == expected
     ok, reason = kernel_supports(QuantSpec("nvfp4", scale_mode="4over6"), None)

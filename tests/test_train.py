@@ -155,7 +155,11 @@ def _recipe_cases():
     # qat_nvfp4's path; qat_ternary: bitnet's weight with ternary activations
     variants |= {"w8a8_mxfp8", "w6a8_mxfp6", "w4a8_mxfp4", "w4a8_nvfp4", "qat_int4",
                  "qat_ternary"}
-    return [pytest.param(n, marks=pytest.mark.slow) if n in variants else n
+    # quartet2's backward Hadamard of 128 needs model dims that are multiples of 128 (the tiny
+    # GPT's d_model is 64): tests/test_scale_rules.py trains it on its own shapes.
+    own = pytest.mark.skip(reason="quartet2 needs dims that are multiples of 128")
+    return [pytest.param(n, marks=pytest.mark.slow) if n in variants
+            else pytest.param(n, marks=own) if n == "quartet2" else n
             for n in lb.recipes.names()]
 
 

@@ -489,6 +489,36 @@ register(
     )
 )
 
+# Quartet II as its released kernels run it (IST-DASLab/Quartet-II @ 8776a90b,
+# kernels/python/quartet2/linear.py, Quartet_II_fn): the forward quantizes both operands to
+# NVFP4 with Four Over Six and round-to-nearest (round_four_six.cu, `four_over_six=True` by
+# default, linear.py:232-234) and saves the forward-quantized operands (183-184); each
+# backward call re-draws the signs of one random Hadamard of 128 (rerotate_hadamard, 205)
+# shared by both backward GEMMs, each along its contraction axis, and quantizes the gradient
+# and the forward-quantized operand with MS-EDEN (rht128_quant_eden / rht128_requant,
+# 217-227). Differences: lowbit's 4/6 follows mit-han-lab/fouroversix's arithmetic (Quartet
+# II's kernel computes the tensor scale as amax * (1/256) * (1/6) and treats a zero block
+# scale as 1); its Hadamard groups the outputs by swizzle_hadamard (rht.py:65-82) where
+# lowbit's groups are contiguous, and it rounds the re-quantized operands to bfloat16 first.
+# The backward contraction axes (tokens, output features) must be multiples of 128.
+_q2f = QuantSpec("nvfp4", scale_mode="4over6")
+_q2b = QuantSpec("nvfp4", rounding="eden")
+register(
+    Recipe(
+        "quartet2",
+        fwd=GemmSpec(_q2f, _q2f),
+        dlhs=GemmSpec(_q2b, _q2b, hadamard=128),
+        drhs=GemmSpec(_q2b, _q2b, hadamard=128, signs_of="dlhs"),
+        backward_operands="forward",
+        description="Quartet II: NVFP4 forward with Four Over Six scales; both backward GEMMs "
+        "on the forward-quantized operands, quantized with MS-EDEN (EDEN-corrected, "
+        "stochastically rounded block scales) after one random Hadamard of 128 per step "
+        "shared by both.",
+        source="Quartet II (arXiv:2601.22813) and its released kernels (IST-DASLab/Quartet-II "
+        "@ 8776a90b)",
+    )
+)
+
 # Quartet as its public code runs it (IST-DASLab/Quartet; files under src/models/quantization/):
 # - forward, QuestMXFP4Quantizer (quantizers/mxfp4.py, kernel in quantizers/mxfp4_triton.py)
 #   on both x and w: a fixed orthonormal Sylvester Hadamard matrix of 32 along the contraction

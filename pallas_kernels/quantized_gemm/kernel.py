@@ -67,6 +67,8 @@ def _spec_unsupported(spec: QuantSpec | None, name: str) -> str | None:
             f"{name}: scale_mode={spec.scale_mode!r} (Four Over Six: the quantize kernel "
             "does not choose between candidate scales yet)"
         )
+    if spec.rounding == "eden":
+        return f"{name}: rounding='eden' (MS-EDEN's corrected scales run in the emulation)"
     if spec.tensor_block is not None:
         return (
             f"{name}: tensor_block={spec.tensor_block} (the kernels take one tensor scale per "
