@@ -211,13 +211,13 @@ def test_kernel_supports():
         # int8 per token (bitnet, w*a8) and int4 / ternary weights run in the emulation
         rows = any(s is not None and s.granularity == "row" for s in pair)
         ints = any(s is not None and s.format in ("int4", "ternary") for s in pair)
-        # Four Over Six's candidate scales and double-block scales run in the emulation
-        fos = any(s is not None and ((s.scale_mode or "").startswith("4over6")
-                                     or s.rounding == "eden") for s in pair)
+        # MS-EDEN's corrected scales run in the emulation
+        fos = any(s is not None and s.rounding == "eden" for s in pair)
         expected = not (tensor or tiles or quest or rows or ints or fos)  # weight-only too
         assert kernel_supports(*pair)[0] == expected
-    ok, reason = kernel_supports(QuantSpec("nvfp4", scale_mode="4over6"), None)
-    assert not ok and "Four Over Six" in reason
+    assert kernel_supports(QuantSpec("nvfp4", scale_mode="4over6"), None) == (True, "")
+    ok, reason = kernel_supports(QuantSpec("nvfp4", rounding="eden"), None)
+    assert not ok and "MS-EDEN" in reason
     ok, reason = kernel_supports(QuantSpec("nvfp4", tensor_block=128), None)
     assert not ok and "double-block" in reason
     ok, reason = kernel_supports(QuantSpec("mxfp4", scale_std=2.9), None)

@@ -157,19 +157,34 @@ def test_four_over_six_errors_name_the_format():
         lb.recipes.QuantSpec("mxfp8", scale_mode="4over6_mae")
 
 
-def test_the_pallas_quantize_kernel_declines_four_over_six_with_the_reason():
+@pytest.mark.parametrize("mode,axis,rounding", [("4over6", -1, "nearest"),
+                                                ("4over6_mae", 0, "nearest"),
+                                                ("4over6_max", -1, "stochastic")])
+def test_the_pallas_quantize_kernel_computes_four_over_six(mode, axis, rounding):
     from pallas_kernels.quantize import quantize as pallas_quantize
+
+    x = jax.random.normal(jax.random.key(9), (64, 96)) * jnp.linspace(0.01, 3.0, 96)[None]
+    key = jax.random.key(4) if rounding == "stochastic" else None
+    kw = dict(scale_mode=mode, rounding=rounding, key=key)
+    p = pallas_quantize(x, "nvfp4", axis, implementation="pallas", interpret=True, **kw)
+    q = lb.quantize(x, "nvfp4", axis, **kw)
+    for field in ("codes", "scales", "tensor_scale"):
+        np.testing.assert_array_equal(np.asarray(getattr(p, field)), np.asarray(getattr(q, field)))
+
+
+def test_the_pallas_four_over_six_kernel_lowers_for_cuda():
+    from pallas_kernels._common import export_for_cuda
+    from pallas_kernels.quantize import Config
     from pallas_kernels.quantize.kernel import quantize_pallas
 
-    x = jax.random.normal(jax.random.key(9), (32, 64))
-    with pytest.warns(UserWarning, match="Four Over Six"):
-        q = pallas_quantize(x, "nvfp4", scale_mode="4over6", implementation="pallas",
-                            interpret=True)
-    ref = lb.quantize(x, "nvfp4", scale_mode="4over6")
-    np.testing.assert_array_equal(np.asarray(q.scales), np.asarray(ref.scales))
-    plan = lb.core.plan.make_plan(x.shape, "nvfp4", -1, None, "4over6", "nearest", None, None)
-    with pytest.raises(ValueError, match="Four Over Six"):
-        quantize_pallas(x, plan, config=None, interpret=True)
+    spec = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    for mode, rounding in (("4over6", "nearest"), ("4over6_mae", "stochastic")):
+        key = jax.random.key(0) if rounding == "stochastic" else None
+        plan = lb.core.plan.make_plan((64, 128), "nvfp4", 1, None, mode, rounding, key, None)
+        exported = export_for_cuda(
+            lambda x, plan=plan, key=key: quantize_pallas(x, plan, key, config=Config(16, 64)),
+            spec)
+        assert "xla.gpu.triton" in exported.mlir_module()
 
 
 # --------------------------------------------------------------------------------------------

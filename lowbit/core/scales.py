@@ -31,6 +31,7 @@ __all__ = [
     "oas_constant",
     "nvfp4_tensor_scale",
     "four_over_six",
+    "four_over_six_tensor_scales",
     "FOUR_OVER_SIX_METRICS",
     "FOUR_OVER_SIX_E4M3_BOUND",
     "ms_eden",
@@ -131,8 +132,22 @@ def _block_error(d: jax.Array, metric: str, block_axes) -> jax.Array:
     return jnp.sum(e, axis=block_axes, keepdims=True)
 
 
+def four_over_six_tensor_scales(tamax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Four Over Six's ``(encode, decode)`` of a tensor amax: ``encode = 1536 / tamax`` and
+    ``decode = 1 / encode`` (fouroversix ``reference.py:204-234``), both 0 where ``tamax`` is 0
+    or ``encode`` overflows (the tensor quantizes to zeros, REF:197-202)."""
+    big = np.float32(6.0 * FOUR_OVER_SIX_E4M3_BOUND)
+    tamax = jnp.asarray(tamax, jnp.float32)
+    live = tamax > 0
+    encode = ieee_div(big, jnp.where(live, tamax, np.float32(1.0)))
+    live = live & jnp.isfinite(encode)
+    decode = jnp.where(live, ieee_div(np.float32(1.0), encode), np.float32(0.0))
+    return jnp.where(live, encode, np.float32(0.0)), decode
+
+
 def four_over_six(xb, amax, tamax, block_axes, elem: ElementFormat, metric: str, *,
-                  rbits=None, prescale: float = 1.0):
+                  rbits=None, prescale: float = 1.0, scales=None, div=ieee_div,
+                  rnd=round_to_grid):
     """Four Over Six (arXiv 2512.02010): each NVFP4 block quantized with its scale taking the
     block amax to 6 and to 4, keeping the candidate with the smaller error.
 
@@ -162,27 +177,29 @@ def four_over_six(xb, amax, tamax, block_axes, elem: ElementFormat, metric: str,
     multiplies the scaled elements before rounding (lowbit's :attr:`Plan.prescale`, divided
     out of the values by the caller); the reference instead folds its stochastic 16/17 into
     the encode constant.
+
+    ``scales``: ``(encode, decode)`` when the caller has them (:func:`four_over_six_tensor_scales`
+    of ``tamax``; the Pallas kernel computes them before its grid), ``div`` and ``rnd`` the
+    correctly rounded division and the grid rounding (the Pallas kernel passes its own,
+    ``pallas_kernels._numerics``, which compute the same values).
     """
     big = np.float32(elem.max * FOUR_OVER_SIX_E4M3_BOUND)  # 1536
-    live = tamax > 0
-    encode = ieee_div(big, jnp.where(live, tamax, np.float32(1.0)))
-    live = live & jnp.isfinite(encode)
-    decode = jnp.where(live, ieee_div(np.float32(1.0), encode), np.float32(0.0))
-    hp6 = ieee_div(amax, np.float32(elem.max)) * jnp.where(live, encode, np.float32(0.0))
+    encode, decode = four_over_six_tensor_scales(tamax) if scales is None else scales
+    hp6 = div(amax, np.float32(elem.max)) * encode  # 0 for a tensor that quantizes to zeros
     hp4 = hp6 * (np.float32(1.5) + hp6 * np.float32(0))
     rbits4 = None if rbits is None else fmix32(rbits ^ jnp.uint32(0x5BD1E995))
     cands = []
     for hp, rb in ((hp6, rbits), (hp4, rbits4)):
-        s = round_to_grid(jnp.where(live, hp, 0.0), E4M3, saturate=True)
+        s = rnd(hp, E4M3, saturate=True)
         nz = s > 0
-        r = jnp.where(nz, ieee_div(np.float32(1.0), decode * jnp.where(nz, s, 1.0)), 0.0)
+        r = jnp.where(nz, div(jnp.ones_like(s), decode * jnp.where(nz, s, 1.0)), 0.0)
         v = xb * r
         if prescale != 1.0:
             v = v * np.float32(prescale)
-        q = round_to_grid(jnp.where(nz, v, 0.0), elem, rbits=rb, saturate=True)
-        deq = ieee_div((q * s) * tamax, big)
+        q = rnd(jnp.where(nz, v, 0.0), elem, rbits=rb, saturate=True)
+        deq = div((q * s) * tamax, big)
         if prescale != 1.0:
-            deq = ieee_div(deq, np.float32(prescale))
+            deq = div(deq, np.float32(prescale))
         cands.append((q, s, v, _block_error(deq - xb, metric, block_axes)))
     (q6, s6, v6, err6), (q4, s4, v4, err4) = cands
     pick4 = err4 < err6

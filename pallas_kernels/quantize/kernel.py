@@ -48,7 +48,11 @@ from lowbit.core.hadamard import BLOCK_SIZES as HADAMARD_SIZES
 from lowbit.core.numerics import hash_constants, hashed_bits, pow2
 from lowbit.core.plan import Plan
 from lowbit.core.qarray import E8M0_NAN, UE4M3_NAN, QArray, mx_scale_exponent, nvfp4_tensor_scale
-from lowbit.core.scales import FOUR_OVER_SIX_METRICS
+from lowbit.core.scales import (
+    FOUR_OVER_SIX_METRICS,
+    four_over_six,
+    four_over_six_tensor_scales,
+)
 from pallas_kernels import _numerics as nx
 from pallas_kernels._common import round_up
 from pallas_kernels.quantize.config import Config
@@ -178,6 +182,10 @@ def _kernel(
             v = v * pow2(-e - d_hi)
         if prescale != 1.0:
             v = v * np.float32(prescale)
+    elif scale_mode in FOUR_OVER_SIX_METRICS:  # t_ref: decode, encode, tensor amax
+        q, s = _four_over_six_tile(xb, amax, t_ref, elem, scale_mode, rbits, prescale,
+                                   interpret)
+        scode = jnp.where(finite, nx.encode(s, E4M3), UE4M3_NAN)
     else:  # NVFP4
         div = functools.partial(nx.ieee_div, interpret=interpret)
         t = t_ref[0]
@@ -192,7 +200,8 @@ def _kernel(
             v = v * np.float32(prescale)
         v = jnp.where(r > 0, v, np.float32(0))
         scode = jnp.where(finite, nx.encode(s, E4M3), UE4M3_NAN)
-    q = nx.round_to_grid(v, elem, rbits, saturate=True)
+    if scale_mode not in FOUR_OVER_SIX_METRICS:
+        q = nx.round_to_grid(v, elem, rbits, saturate=True)
     q = jnp.where(finite, q, np.float32(0))  # a NaN/Inf block: NaN scale, zero codes
     codes = nx.encode(q, elem).reshape(rows, cols)
 
@@ -209,6 +218,20 @@ def _kernel(
         for b in range(3):
             codes_ref[:, pl.ds(b, cols // 4, stride=3)] = ((w >> (8 * b)) & 0xFF).astype(jnp.uint8)
     scales_ref[...] = scode.reshape(rows, nb).astype(jnp.uint8)
+
+
+def _four_over_six_tile(xb, amax, t_ref, elem, scale_mode, rbits, prescale, interpret):
+    """Four Over Six on a tile's blocks: ``lowbit.core.scales.four_over_six`` with the kernel's
+    division and stochastic rounding, the tensor's ``(encode, decode)`` from ``t_ref``."""
+    return four_over_six(
+        xb, amax, t_ref[2], (2,), elem, FOUR_OVER_SIX_METRICS[scale_mode], rbits=rbits,
+        prescale=prescale, scales=(t_ref[1], t_ref[0]),
+        div=functools.partial(nx.ieee_div, interpret=interpret), rnd=_round_kw,
+    )[:2]
+
+
+def _round_kw(v, elem, *, rbits=None, saturate=False):
+    return nx.round_to_grid(v, elem, rbits, saturate=saturate)
 
 
 def _amax_kernel(*refs, axis, hadamard, has_signs):
@@ -306,9 +329,14 @@ def _quantize(
                 name=f"quantize_amax_hadamard{hadamard}_axis{axis}",
             )(*x_inputs)
             tamax = lax.bitcast_convert_type(jnp.max(tile_amax), jnp.float32)
-        t = nvfp4_tensor_scale(tamax)
-        inputs.append(t.reshape(1))
-        in_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
+        if scale_mode in FOUR_OVER_SIX_METRICS:
+            encode, t = four_over_six_tensor_scales(tamax)
+            inputs.append(jnp.stack([t, encode, tamax]))
+            in_specs.append(pl.BlockSpec((3,), lambda i, j: (0,)))
+        else:
+            t = nvfp4_tensor_scale(tamax)
+            inputs.append(t.reshape(1))
+            in_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
 
     # -0 from transformed zero padding is visible only where the output keeps padding
     # (stride > n), which happens only for a Hadamard block shorter than the format's.
@@ -352,11 +380,8 @@ def _quantize(
 
 
 def plan_unsupported(plan: Plan) -> str | None:
-    """Why the kernel cannot compute ``plan``'s options (None if it can): Four Over Six and
-    double-block scales run in the XLA path (``lowbit.quantize``) for now."""
-    if plan.scale_mode in FOUR_OVER_SIX_METRICS:
-        return (f"scale_mode={plan.scale_mode!r} (Four Over Six: two candidate quantizations "
-                "per block) yet; lowbit.quantize computes it")
+    """Why the kernel cannot compute ``plan``'s options (None if it can): double-block scales
+    and MS-EDEN run in the XLA path (``lowbit.quantize``) for now."""
     if plan.tensor_block is not None:
         return (f"tensor_block={plan.tensor_block} (double-block scales) yet; lowbit.quantize "
                 "computes it")
@@ -405,7 +430,7 @@ def quantize_pallas(
         fmt=fmt.name,
         axis=axis,
         stochastic=plan.stochastic,
-        scale_mode=plan.scale_mode if fmt.is_mx else None,
+        scale_mode=plan.scale_mode if plan.scale_mode != "nvfp4" else None,
         config=config,
         interpret=interpret,
         hadamard=hadamard,

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 
 from lowbit.core import formats as _formats
 from lowbit.core.qarray import undo_prescale
-from lowbit.core.scales import FOUR_OVER_SIX_METRICS
 from lowbit.gemm.operand import clip_to_rms, hadamard_along, spec_plan
 from lowbit.gemm.recipes import QuantSpec
 from pallas_kernels._common import format_unsupported, is_pow2
@@ -61,11 +60,6 @@ def _spec_unsupported(spec: QuantSpec | None, name: str) -> str | None:
         return (
             f"{name}: a static (calibrated) amax={spec.amax} (the kernels take each call's "
             "own amax)"
-        )
-    if spec.scale_mode in FOUR_OVER_SIX_METRICS:
-        return (
-            f"{name}: scale_mode={spec.scale_mode!r} (Four Over Six: the quantize kernel "
-            "does not choose between candidate scales yet)"
         )
     if spec.rounding == "eden":
         return f"{name}: rounding='eden' (MS-EDEN's corrected scales run in the emulation)"
