@@ -211,8 +211,9 @@ def test_kernel_supports():
         # int8 per token (bitnet, w*a8) and int4 / ternary weights run in the emulation
         rows = any(s is not None and s.granularity == "row" for s in pair)
         ints = any(s is not None and s.format in ("int4", "ternary") for s in pair)
-        # MS-EDEN's corrected scales run in the emulation
-        fos = any(s is not None and s.rounding == "eden" for s in pair)
+        # MS-EDEN's corrected scales and double-block scales run in the emulation
+        fos = any(s is not None and (s.rounding == "eden" or s.tensor_block is not None)
+                  for s in pair)
         expected = not (tensor or tiles or quest or rows or ints or fos)  # weight-only too
         assert kernel_supports(*pair)[0] == expected
     assert kernel_supports(QuantSpec("nvfp4", scale_mode="4over6"), None) == (True, "")

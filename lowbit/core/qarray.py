@@ -400,17 +400,22 @@ def _quantize_blocks(xb, plan: Plan, key, tensor_amax, want_clip: bool) -> _Quan
     return _Quantized(q, code, mul, finite, clipped, tensor_scale=t)
 
 
-def _outer_maxima(bits: jax.Array, plan: Plan) -> jax.Array:
-    """Per-block int32 maxima (blocked layout, keepdims) -> the maxima of their outer blocks
-    (``plan.tensor_block`` elements along the axis), broadcast back to every block."""
+def _outer_blocks(bits: jax.Array, plan: Plan):
+    """Per-block int32 maxima (blocked layout, keepdims) -> ``(m, expand)``: the maxima of
+    their outer blocks (``plan.tensor_block`` elements along the axis), outer blocks last, and
+    the function that broadcasts an array of that shape back to every block."""
     (pos,) = (p - 1 for p in plan.block_axes)  # the blocks dim of the blocked layout
     k = plan.tensor_block // plan.block_shape[0]
     m = jnp.moveaxis(jnp.squeeze(bits, pos + 1), pos, -1)
     nb = m.shape[-1]
     m = jnp.pad(m, [(0, 0)] * (m.ndim - 1) + [(0, -nb % k)])
     m = jnp.max(m.reshape(*m.shape[:-1], -1, k), axis=-1)
-    m = jnp.repeat(m, k, axis=-1)[..., :nb]
-    return jnp.expand_dims(jnp.moveaxis(m, -1, pos), pos + 1)
+
+    def expand(a):
+        a = jnp.repeat(a, k, axis=-1)[..., :nb]
+        return jnp.expand_dims(jnp.moveaxis(a, -1, pos), pos + 1)
+
+    return m, expand
 
 
 def _double_block(xb, plan: Plan, amax_bits, finite, rbits, want_clip):
@@ -427,10 +432,14 @@ def _double_block(xb, plan: Plan, amax_bits, finite, rbits, want_clip):
     elem = plan.fmt.elem
     fin_bits = lax.cond(jnp.all(finite), lambda: amax_bits,
                         lambda: _amax_bits(xb, plan, finite_only=True))
-    oamax = lax.bitcast_convert_type(_outer_maxima(fin_bits, plan), jnp.float32)
+    outer, expand = _outer_blocks(fin_bits, plan)
+    # the outer scales on the outer blocks themselves: a division of a broadcast would be
+    # rewritten by XLA into a multiplication by a rounded reciprocal (see ieee_div)
+    big = ieee_div(ieee_div(lax.bitcast_convert_type(outer, jnp.float32),
+                            np.float32(E4M3.max)), np.float32(elem.max))
+    (big,) = materialize(jnp.where(big == 0, np.float32(1.0), big))
+    big = expand(big)
     amax = lax.bitcast_convert_type(jnp.where(finite, amax_bits, 0), jnp.float32)
-    big = ieee_div(ieee_div(oamax, np.float32(E4M3.max)), np.float32(elem.max))
-    big = jnp.where(big == 0, np.float32(1.0), big)
     s_raw = ieee_div(ieee_div(amax, big), np.float32(elem.max))
     s = round_to_grid(jnp.where(s_raw == 0, np.float32(2.0**-9), s_raw), E4M3, saturate=True)
     live = s > 0

@@ -519,6 +519,34 @@ register(
     )
 )
 
+# TetraJet-v2's NVFP4 linear layer as its code runs it (thu-ml/TetraJet-v2-NVFP4Training @
+# ca5953f6, olmo2-training/olmo/quantization_real/linear.py:64-148,
+# NVFP4_TetraJetv2_MatMulFunc_BwdAllRHT16SQ_Padding128): the forward quantizes x and w along K
+# with double-block scales (an FP32 outer scale per 128, E4M3 inner scales per 16;
+# kernels/csrc/quant_fp4.cu:257-328) and round-to-nearest; the backward GEMMs take the
+# forward-quantized x and w (the fused kernel dequantizes, transposes and re-quantizes them,
+# quant_fp4.cu:613-713) and dy, every operand after a 16-point random Hadamard along the GEMM's
+# contraction axis (one sign draw per GEMM, shared by its two operands: seed_dx, seed_dw) and
+# double-block stochastic rounding. Its Hadamard signs depend only on the position in the
+# 16-group, as lowbit's per-block signs do; its kernels divide with fast-math, lowbit exactly.
+# OsciReset and OutControl, the paper's two training-state methods, are trainer features.
+_tjf = QuantSpec("nvfp4", tensor_block=128)
+_tjb = QuantSpec("nvfp4", rounding="stochastic", tensor_block=128)
+register(
+    Recipe(
+        "tetrajet2",
+        fwd=GemmSpec(_tjf, _tjf),
+        dlhs=GemmSpec(_tjb, _tjb, hadamard=16),
+        drhs=GemmSpec(_tjb, _tjb, hadamard=16),
+        backward_operands="forward",
+        description="TetraJet-v2: NVFP4 with double-block scales (FP32 per 128, E4M3 per 16), "
+        "round-to-nearest forward; both backward GEMMs on the forward-quantized operands "
+        "after a random 16-point Hadamard, stochastic rounding.",
+        source="TetraJet-v2 (arXiv:2510.27527) and its code (thu-ml/TetraJet-v2-NVFP4Training "
+        "@ ca5953f6)",
+    )
+)
+
 # Quartet as its public code runs it (IST-DASLab/Quartet; files under src/models/quantization/):
 # - forward, QuestMXFP4Quantizer (quantizers/mxfp4.py, kernel in quantizers/mxfp4_triton.py)
 #   on both x and w: a fixed orthonormal Sylvester Hadamard matrix of 32 along the contraction
