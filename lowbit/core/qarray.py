@@ -295,6 +295,19 @@ class _Quantized:
     tensor_scale: jax.Array | None = None
 
 
+def _e4m3_scaled(q, s, t, finite, clipped, plan: Plan) -> _Quantized:
+    """The :class:`_Quantized` of E4M3-scaled blocks (NVFP4, INT4): elements ``q``, block
+    scales ``s`` and tensor (or outer-block) scales ``t``, values ``(q * s) * t`` with the
+    prescale undone; a non-finite block gets the NaN scale code and NaN values."""
+    code = jnp.where(finite, encode_elements(s, E4M3), jnp.uint8(UE4M3_NAN))
+    s_or_nan = jnp.where(finite, s, np.float32(np.nan))
+
+    def mul(elems, s=s_or_nan, t=t):
+        return undo_prescale((elems * s) * t, plan.prescale)
+
+    return _Quantized(q, code, mul, finite, clipped, tensor_scale=t)
+
+
 _INF_BITS = 0x7F800000
 
 
@@ -391,13 +404,7 @@ def _quantize_blocks(xb, plan: Plan, key, tensor_amax, want_clip: bool) -> _Quan
     clipped = jnp.abs(v) > elem.max if want_clip else None
     v = jnp.where(r > 0, v, 0.0)
     q = round_to_grid(v, elem, rbits=rbits, saturate=True)
-    code = jnp.where(finite, encode_elements(s, E4M3), jnp.uint8(UE4M3_NAN))
-    s_or_nan = jnp.where(finite, s, np.float32(np.nan))
-
-    def mul(elems, s=s_or_nan, t=t):
-        return undo_prescale((elems * s) * t, plan.prescale)
-
-    return _Quantized(q, code, mul, finite, clipped, tensor_scale=t)
+    return _e4m3_scaled(q, s, t, finite, clipped, plan)
 
 
 def _outer_blocks(bits: jax.Array, plan: Plan):
@@ -450,13 +457,7 @@ def _double_block(xb, plan: Plan, amax_bits, finite, rbits, want_clip):
         v = v * np.float32(plan.prescale)
     clipped = jnp.abs(v) > elem.max if want_clip else None
     q = round_to_grid(v, elem, rbits=rbits, saturate=True)
-    code = jnp.where(finite, encode_elements(s, E4M3), jnp.uint8(UE4M3_NAN))
-    s_or_nan = jnp.where(finite, s, np.float32(np.nan))
-
-    def mul(elems, s=s_or_nan, t=big):
-        return undo_prescale((elems * s) * t, plan.prescale)
-
-    return _Quantized(q, code, mul, finite, clipped, tensor_scale=big)
+    return _e4m3_scaled(q, s, big, finite, clipped, plan)
 
 
 def _eden_blocks(xb, plan: Plan, key, amax, finite, want_clip):
@@ -467,13 +468,7 @@ def _eden_blocks(xb, plan: Plan, key, amax, finite, want_clip):
     clipped = None
     if want_clip:  # the elements are scaled by 1 / s0, whose block max is above 6 by design
         clipped = jnp.zeros(xb.shape, bool)
-    code = jnp.where(finite, encode_elements(s, E4M3), jnp.uint8(UE4M3_NAN))
-    s_or_nan = jnp.where(finite, s, np.float32(np.nan))
-
-    def mul(elems, s=s_or_nan, t=ts):
-        return (elems * s) * t
-
-    return _Quantized(q, code, mul, finite, clipped, tensor_scale=ts)
+    return _e4m3_scaled(q, s, ts, finite, clipped, plan)
 
 
 def _four_over_six_blocks(xb, plan: Plan, amax, tamax, finite, rbits, want_clip):
@@ -482,13 +477,7 @@ def _four_over_six_blocks(xb, plan: Plan, amax, tamax, finite, rbits, want_clip)
                                FOUR_OVER_SIX_METRICS[plan.scale_mode], rbits=rbits,
                                prescale=plan.prescale)
     clipped = jnp.abs(v) > plan.fmt.elem.max if want_clip else None
-    code = jnp.where(finite, encode_elements(s, E4M3), jnp.uint8(UE4M3_NAN))
-    s_or_nan = jnp.where(finite, s, np.float32(np.nan))
-
-    def mul(elems, s=s_or_nan, t=t):
-        return undo_prescale((elems * s) * t, plan.prescale)
-
-    return _Quantized(q, code, mul, finite, clipped, tensor_scale=t)
+    return _e4m3_scaled(q, s, t, finite, clipped, plan)
 
 
 ABSMEAN_FLOOR = 1e-5  # BitNet's clamp of the mean |w| (and of the per-token amax)
