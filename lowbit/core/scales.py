@@ -35,7 +35,10 @@ __all__ = [
     "FOUR_OVER_SIX_METRICS",
     "FOUR_OVER_SIX_E4M3_BOUND",
     "ms_eden",
+    "ms_eden_blocks",
+    "ms_eden_scales",
     "EDEN_SCALE_OVERRIDE",
+    "block_sum",
 ]
 
 FOUR_OVER_SIX_METRICS = {"4over6": "mse", "4over6_mae": "mae", "4over6_max": "max"}
@@ -125,11 +128,44 @@ def nvfp4_tensor_scale(tensor_amax: jax.Array, elem_max: float = 6.0) -> jax.Arr
     return ieee_div(jnp.asarray(tensor_amax, jnp.float32), np.float32(E4M3.max * elem_max))
 
 
-def _block_error(d: jax.Array, metric: str, block_axes) -> jax.Array:
+def block_sum(e: jax.Array, block_axes, *, halves: str = "slice") -> jax.Array:
+    """The float32 sum over the in-block dims ``block_axes`` (keepdims) in one fixed order,
+    which every implementation of a rule that compares or divides block sums follows, so
+    that they agree bit for bit (``jnp.sum`` leaves the order to the compiler).
+
+    The dims are reduced last first; along one dim of even length ``n`` the two halves are
+    added element-wise (``e[i] + e[i + n/2]``) until one element is left (an odd length adds
+    its elements left to right). A block of 16 is thus ``((e0+e8) + (e4+e12)) + ...``: the
+    pairwise tree of a vectorised loop over half-blocks.
+
+    ``halves``: how the halves are taken, ``"slice"`` (XLA: a reduce over a length-2 dim
+    would be merged by XLA's simplifier into one reduce of unspecified order) or
+    ``"reshape"`` (Pallas' Triton lowering has no slices; it lowers a jaxpr as written).
+    Both add the same pairs.
+    """
+    for ax in sorted((a % e.ndim for a in block_axes), reverse=True):
+        while e.shape[ax] > 1:
+            n = e.shape[ax]
+            if halves == "reshape" and n % 2 == 0:
+                e = e.reshape(*e.shape[:ax], 2, n // 2, *e.shape[ax + 1:])
+                e = jnp.sum(e, axis=ax)  # two terms: the order cannot matter
+                continue
+            if n % 2:
+                acc = lax.slice_in_dim(e, 0, 1, axis=ax)
+                for i in range(1, n):
+                    acc = acc + lax.slice_in_dim(e, i, i + 1, axis=ax)
+                e = acc
+                break
+            h = n // 2
+            e = lax.slice_in_dim(e, 0, h, axis=ax) + lax.slice_in_dim(e, h, n, axis=ax)
+    return e
+
+
+def _block_error(d: jax.Array, metric: str, block_axes, sum_=block_sum) -> jax.Array:
     if metric == "max":
         return jnp.max(jnp.abs(d), axis=block_axes, keepdims=True)
     e = jnp.abs(d) if metric == "mae" else d * d
-    return jnp.sum(e, axis=block_axes, keepdims=True)
+    return sum_(e, block_axes)
 
 
 def four_over_six_tensor_scales(tamax: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -147,7 +183,7 @@ def four_over_six_tensor_scales(tamax: jax.Array) -> tuple[jax.Array, jax.Array]
 
 def four_over_six(xb, amax, tamax, block_axes, elem: ElementFormat, metric: str, *,
                   rbits=None, prescale: float = 1.0, scales=None, div=ieee_div,
-                  rnd=round_to_grid):
+                  rnd=round_to_grid, sum_=block_sum):
     """Four Over Six (arXiv 2512.02010): each NVFP4 block quantized with its scale taking the
     block amax to 6 and to 4, keeping the candidate with the smaller error.
 
@@ -181,7 +217,9 @@ def four_over_six(xb, amax, tamax, block_axes, elem: ElementFormat, metric: str,
     ``scales``: ``(encode, decode)`` when the caller has them (:func:`four_over_six_tensor_scales`
     of ``tamax``; the Pallas kernel computes them before its grid), ``div`` and ``rnd`` the
     correctly rounded division and the grid rounding (the Pallas kernel passes its own,
-    ``pallas_kernels._numerics``, which compute the same values).
+    ``pallas_kernels._numerics``, which compute the same values), ``sum_`` the block sum of the
+    errors (:func:`block_sum`'s fixed order by default; a kernel whose compiler has no slices
+    passes a reduction of its own, and may then break a near-tie differently).
     """
     big = np.float32(elem.max * FOUR_OVER_SIX_E4M3_BOUND)  # 1536
     encode, decode = four_over_six_tensor_scales(tamax) if scales is None else scales
@@ -200,7 +238,7 @@ def four_over_six(xb, amax, tamax, block_axes, elem: ElementFormat, metric: str,
         deq = div((q * s) * tamax, big)
         if prescale != 1.0:
             deq = div(deq, np.float32(prescale))
-        cands.append((q, s, v, _block_error(deq - xb, metric, block_axes)))
+        cands.append((q, s, v, _block_error(deq - xb, metric, block_axes, sum_)))
     (q6, s6, v6, err6), (q4, s4, v4, err4) = cands
     pick4 = err4 < err6
     return (jnp.where(pick4, q4, q6), jnp.where(pick4, s4, s6), decode,
@@ -238,7 +276,7 @@ def _e4m3_stochastic(v: jax.Array, noise16: jax.Array) -> jax.Array:
     return round_to_grid(jnp.where(inside, dithered, v), E4M3, saturate=True)
 
 
-def ms_eden(xb, amax, finite, block_axes, elem: ElementFormat, noise16):
+def ms_eden(xb, amax, finite, block_axes, elem: ElementFormat, noise16, *, sum_=block_sum):
     """MS-EDEN (Quartet II, arXiv 2601.22813), the unbiased NVFP4 quantizer of its backward, as
     the released kernels compute it (IST-DASLab/Quartet-II @ 8776a90b,
     ``kernels/csrc/had128_utils.cuh:181-226`` and ``group_transform_and_eden.cu:210-266``).
@@ -261,18 +299,38 @@ def ms_eden(xb, amax, finite, block_axes, elem: ElementFormat, noise16):
     scheme (``src/models/quantization/schemes/quartet_2.py``) differs: one EDEN factor per
     128-element chunk, E4M3 block scales relative to a tensor scale from the rotated amax
     before the correction, ties away from zero, and ``tl.rand`` for the scale's rounding.
+
+    The two halves are :func:`ms_eden_blocks` (per block: codes and corrected scales; a
+    kernel computes them tile by tile) and :func:`ms_eden_scales` (needs every block's
+    corrected scale for the tensor scale). ``sum_``: the block sums' order (:func:`block_sum`).
     """
+    q, s1 = ms_eden_blocks(xb, amax, finite, block_axes, elem, sum_=sum_)
+    s, ts = ms_eden_scales(s1, noise16)
+    return q, s, ts
+
+
+def ms_eden_blocks(xb, amax, finite, block_axes, elem: ElementFormat, *, sum_=block_sum,
+                   div=ieee_div, rnd=round_to_grid):
+    """:func:`ms_eden`'s per-block half: ``(q, s1)``, the final E2M1 codes and the corrected
+    float32 block scales ``s1 = bfloat16(s0 * c)`` (0 for non-finite blocks). ``div``,
+    ``rnd``, ``sum_``: as :func:`four_over_six`'s."""
     s = amax * _EDEN_INV_FP4_MAX
     s0 = lax.bitcast_convert_type(
         lax.bitcast_convert_type(s, jnp.uint32) & jnp.uint32(0xFFF80000), jnp.float32)
     live = s0 > 0
-    u = xb * jnp.where(live, ieee_div(np.float32(1.0), jnp.where(live, s0, 1.0)), 0.0)
-    q = round_to_grid(u, elem, saturate=True)
-    xx = jnp.sum(u * u, axis=block_axes, keepdims=True)
-    xy = jnp.sum(u * q, axis=block_axes, keepdims=True)
+    u = xb * jnp.where(live, div(jnp.ones_like(s0), jnp.where(live, s0, 1.0)), 0.0)
+    q = rnd(u, elem, saturate=True)
+    xx = sum_(u * u, block_axes)
+    xy = sum_(u * q, block_axes)
     nz = xy != 0
-    c = jnp.where(nz, xx * ieee_div(np.float32(1.0), jnp.where(nz, xy, 1.0)), 1.0)
-    s1 = jnp.where(finite, _bf16(s0 * c), 0.0)
+    c = jnp.where(nz, xx * div(jnp.ones_like(xy), jnp.where(nz, xy, 1.0)), 1.0)
+    return q, jnp.where(finite, _bf16(s0 * c), 0.0)
+
+
+def ms_eden_scales(s1: jax.Array, noise16: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:func:`ms_eden`'s tensor-wide half: from every block's corrected scale ``s1`` and its 16
+    random bits, ``(s, ts)``: the stochastically rounded E4M3 block scales and the float32
+    tensor scale ``max(s1) / 256``."""
     ts = jnp.max(s1) * np.float32(1.0 / _EDEN_FP8_MAX)
     inv = jnp.where(ts > 0, ieee_div(np.float32(1.0), jnp.where(ts > 0, ts, 1.0)), 0.0)
-    return q, _e4m3_stochastic(s1 * inv, noise16), ts
+    return _e4m3_stochastic(s1 * inv, noise16), ts

@@ -50,6 +50,7 @@ from lowbit.core.plan import Plan
 from lowbit.core.qarray import E8M0_NAN, UE4M3_NAN, QArray, mx_scale_exponent, nvfp4_tensor_scale
 from lowbit.core.scales import (
     FOUR_OVER_SIX_METRICS,
+    block_sum,
     four_over_six,
     four_over_six_tensor_scales,
 )
@@ -227,6 +228,7 @@ def _four_over_six_tile(xb, amax, t_ref, elem, scale_mode, rbits, prescale, inte
         xb, amax, t_ref[2], (2,), elem, FOUR_OVER_SIX_METRICS[scale_mode], rbits=rbits,
         prescale=prescale, scales=(t_ref[1], t_ref[0]),
         div=functools.partial(nx.ieee_div, interpret=interpret), rnd=_round_kw,
+        sum_=functools.partial(block_sum, halves="reshape"),
     )[:2]
 
 
