@@ -34,6 +34,9 @@ tensor); and 2-D tiles (16 x 16 over the last two axes: NVFP4 and MXFP8 weights)
 gives the path a user gets (the compiled kernel fuses the transform), the XLA path side by side
 (its default dense transform, then the quantizer), and the plain kernel's quantization without
 the transform, all in multiples of the same baseline, measured in the same interleaved rounds.
+Rule rows: NVFP4 under the 2026 recipes' block-scale rules (Four Over Six, TetraJet-v2's
+``tensor_block=128``, MS-EDEN), along the last axis and axis 0, against plain NVFP4 and the
+XLA path, with issue 25's bound: within 1.3x of the baseline.
 
 Results go to ``--out`` (default ``benchmarks/results/bench_quantize.json``).
 """
@@ -73,6 +76,14 @@ FUSED_HADAMARD = (16, 32, 64)
 FUSED_AXES = (-1, 0)
 QUICK_HADAMARD = (16,)
 TILES = (("nvfp4", (16, 16)), ("mxfp8_e4m3", (16, 16)))
+# Rule rows: NVFP4 under the block-scale rules of the 2026 recipes (name, quantizer options),
+# along FUSED_AXES, against RULE_BOUND (issue 25: within 1.3x of a memory pass).
+RULES = (
+    ("4over6", {"scale_mode": "4over6", "rounding": "nearest"}),
+    ("tensor_block=128", {"tensor_block": 128, "rounding": "nearest"}),
+    ("eden", {"rounding": "eden"}),
+)
+RULE_BOUND = 1.3
 
 
 def bound(fmt: str, rounding: str) -> float | None:
@@ -117,12 +128,15 @@ def _operand_fn(
     prescale: float = 1.0,
     hadamard: int | None = None,
     block_shape: tuple[int, ...] | None = None,
+    scale_mode: str | None = None,
+    tensor_block: int | None = None,
     native: str | None = None,
 ) -> Callable[[], jax.Array]:
     """A compiled operand quantizer (``qarray.fake_quantize_with_plan``), with a Hadamard
     transform of block ``hadamard`` (random signs, an argument) in front when not None."""
-    kd = jax.random.key_data(key) if rounding == "stochastic" else None
-    plan = qarray.make_plan(x.shape, fmt, axis, block_shape, None, rounding, kd, None, prescale)
+    kd = jax.random.key_data(key) if rounding in ("stochastic", "eden") else None
+    plan = qarray.make_plan(x.shape, fmt, axis, block_shape, scale_mode, rounding, kd, None,
+                            prescale, tensor_block=tensor_block)
     signs = None if hadamard is None else lb.hadamard.random_signs(jax.random.key(2), hadamard)
 
     def fq(x, signs):
@@ -186,6 +200,25 @@ def _fused_candidates(
                 "names": (tiled, xla, None),
             }
         )
+    for rule, opts in RULES:
+        for axis in FUSED_AXES[:1] if quick else FUSED_AXES:
+            q = {"fmt": "nvfp4", "prescale": 1.0, "axis": axis, **opts}
+            plain = add(f"plain/nvfp4/{axis}", fmt="nvfp4", rounding="nearest", axis=axis)
+            ruled = add(f"rule/{rule}/{axis}", **q)
+            xla = add(f"rule-xla/{rule}/{axis}", native="off", **q)
+            specs.append(
+                {
+                    "kind": "rule",
+                    "rule": rule,
+                    "hadamard": None,
+                    "block_shape": None,
+                    "fmt": "nvfp4",
+                    "rounding": opts["rounding"],
+                    "prescale": 1.0,
+                    "axis": axis,
+                    "names": (ruled, xla, plain),
+                }
+            )
     return {**kernel, **xla_path}, specs
 
 
@@ -198,6 +231,9 @@ def _fused_rows(specs, timings, t_base: common.Timing, native: bool) -> list[dic
         rows.append(
             {
                 "kind": spec["kind"],
+                "rule": spec.get("rule"),
+                "bound": RULE_BOUND if spec["kind"] == "rule" else None,
+                "within_bound": ratio <= RULE_BOUND if spec["kind"] == "rule" else None,
                 "format": spec["fmt"],
                 "rounding": spec["rounding"],
                 "prescale": spec["prescale"],
@@ -485,11 +521,12 @@ def _print_table(rows: list[dict[str, Any]], t_base: common.Timing, args) -> Non
 def _print_fused_table(rows: list[dict[str, Any]], args) -> None:
     shown = []
     for r in rows:
-        what = (
-            f"hadamard {r['hadamard']}"
-            if r["kind"] == "hadamard"
-            else "tile {}x{}".format(*r["block_shape"])
-        )
+        if r["kind"] == "hadamard":
+            what = f"hadamard {r['hadamard']}"
+        elif r["kind"] == "rule":
+            what = r["rule"]
+        else:
+            what = "tile {}x{}".format(*r["block_shape"])
         axis = r["axis"]
         shown.append(
             {
@@ -509,14 +546,16 @@ def _print_fused_table(rows: list[dict[str, Any]], args) -> None:
         ("spread", "iqr", "{:.0f}%"),
         ("x_baseline", "x baseline", "{:.2f}x"),
         ("x_baseline_min", "(of mins)", "{:.2f}x"),
+        ("bound", "bound", "<={:.1f}x"),
         ("path", "path"),
         ("xla_x_baseline", "xla path", "{:.2f}x"),
         ("xla_over_path", "xla/path", "{:.2f}x"),
-        ("plain_x_baseline", "no transform", "{:.2f}x"),
+        ("plain_x_baseline", "plain", "{:.2f}x"),
     ]
     print(
-        f"\nfused operand quantizers, {args.size}x{args.size} float32, in multiples of the same "
-        "baseline (xla path: dense hadamard_transform, then the XLA quantizer)"
+        f"\nfused operand quantizers and NVFP4 scale rules, {args.size}x{args.size} float32, in "
+        "multiples of the same baseline (xla path: dense hadamard_transform, then the XLA "
+        "quantizer; plain: the kernel without the transform, or plain NVFP4 for a rule)"
     )
     print(common.format_table(shown, columns))
 

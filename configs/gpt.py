@@ -96,6 +96,26 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # A saved lowbit.autoquant.Plan (experiments/autoquant.py writes them): its sites get their
     # planned recipes, before high_precision and recipe apply. None: no plan.
     c.quant.plan = config_dict.placeholder(str)
+    # TetraJet-v2's OsciReset (period 0: off) and OutControl (ratio 0: off); see
+    # experiments/config.py's QuantConfig and lowbit.flax.training.
+    c.quant.osci_period = 0
+    c.quant.osci_window = 50
+    c.quant.osci_threshold = 16.0
+    c.quant.osci_start = 0
+    c.quant.out_control = 0.0
+    c.quant.out_control_start = 1
+    c.quant.out_control_steps = 10
+    c.quant.out_control_multiple = 128
+    # A precision schedule: switch to switch_to at switch_step, at switch_fraction of the
+    # steps, or by switch_criterion ("grad_noise"). recipe=fp4_all_the_way sets FP4 All the
+    # Way's: QAF (qat_nvfp4) once the gradient norm falls below sqrt(3) times the backward's
+    # quantization noise.
+    fp4atw = a.recipe == "fp4_all_the_way"
+    c.quant.switch_to = "qat_nvfp4" if fp4atw else config_dict.placeholder(str)
+    c.quant.switch_step = 0
+    c.quant.switch_fraction = 0.0
+    c.quant.switch_criterion = "grad_noise" if fp4atw else ""
+    c.quant.switch_check_every = 10
 
     c.data = ml_collections.ConfigDict()
     c.data.path = ""  # "" = Shakespeare (fetched once into cache_dir); or a text file / folder

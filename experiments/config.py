@@ -106,12 +106,35 @@ class QuantConfig:
     # config.json, so a run of an older definition of a recipe is not reused or resumed as one
     # of the current definition (runs written before the field existed read as version 1).
     recipe_version: int | None = None
+    # TetraJet-v2's OsciReset (lowbit.flax.training.osci_reset): every osci_period steps (0:
+    # off; from step osci_start, a multiple of it) track osci_window steps and reset the
+    # weights whose quantized value travelled >= osci_threshold times as far as they did.
+    osci_period: int = 0
+    osci_window: int = 50
+    osci_threshold: float = 16.0
+    osci_start: int = 0
+    # TetraJet-v2's OutControl (lowbit.flax.training.out_control): record input-channel norms
+    # for out_control_steps steps after step out_control_start, then run the top out_control
+    # (a ratio; 0: off) of each site's channels, rounded up to out_control_multiple, in MXFP8.
+    out_control: float = 0.0
+    out_control_start: int = 1
+    out_control_steps: int = 10
+    out_control_multiple: int = 128
+    # A precision schedule: switch the recipe to switch_to (None: never) at step switch_step,
+    # at switch_fraction of train.steps, or by switch_criterion ("grad_noise": FP4 All the
+    # Way's, checked every switch_check_every steps); exactly one of the three.
+    switch_to: str | None = None
+    switch_step: int = 0
+    switch_fraction: float = 0.0
+    switch_criterion: str = ""
+    switch_check_every: int = 10
 
     def __post_init__(self):
         try:
             r = lb.recipes.get(self.recipe)
         except (ValueError, KeyError) as e:
             raise ValueError(f"quant.recipe: {e}") from None
+        self._check_training_state()
         if self.recipe_version is None:
             object.__setattr__(self, "recipe_version", r.version)
         validate(self.implementation, "quant.implementation")
@@ -126,6 +149,73 @@ class QuantConfig:
             except (OSError, ValueError) as e:
                 raise ValueError(f"quant.plan={str(self.plan)!r}: {e}") from None
             object.__setattr__(self, "plan", path)  # resolved once, as init_from is
+
+    def _check_training_state(self) -> None:
+        if self.osci_period < 0:
+            raise ValueError(f"quant.osci_period must be >= 0 (0: off), got {self.osci_period}")
+        if self.osci_period:
+            if self.osci_window < 1 or self.osci_period < self.osci_window + 2:
+                raise ValueError(
+                    f"quant.osci_window must be in [1, osci_period - 2], got "
+                    f"{self.osci_window} with osci_period={self.osci_period}"
+                )
+            if not self.osci_threshold > 0:
+                raise ValueError(f"quant.osci_threshold must be > 0, got {self.osci_threshold}")
+            if self.osci_start < 0 or self.osci_start % self.osci_period:
+                raise ValueError(
+                    f"quant.osci_start must be a multiple of osci_period={self.osci_period}, "
+                    f"got {self.osci_start}"
+                )
+        if not 0 <= self.out_control < 1:
+            raise ValueError(
+                f"quant.out_control must be a ratio in [0, 1) (0: off), got {self.out_control}"
+            )
+        if self.out_control:
+            if self.out_control_start < 0 or self.out_control_steps < 1:
+                raise ValueError(
+                    f"quant.out_control_start must be >= 0 and out_control_steps >= 1, got "
+                    f"{self.out_control_start} and {self.out_control_steps}"
+                )
+            if self.out_control_multiple < 32 or self.out_control_multiple % 32:
+                raise ValueError(
+                    "quant.out_control_multiple must be a positive multiple of 32, got "
+                    f"{self.out_control_multiple}"
+                )
+        if self.switch_to is None:
+            if self.switch_step or self.switch_fraction or self.switch_criterion:
+                raise ValueError(
+                    "quant.switch_step / switch_fraction / switch_criterion need quant.switch_to "
+                    "(the recipe to switch to)"
+                )
+            return
+        try:
+            lb.recipes.get(self.switch_to)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"quant.switch_to: {e}") from None
+        given = [n for n, v in (("switch_step", self.switch_step),
+                                ("switch_fraction", self.switch_fraction),
+                                ("switch_criterion", self.switch_criterion)) if v]
+        if len(given) != 1:
+            raise ValueError(
+                "quant.switch_to needs exactly one of quant.switch_step, switch_fraction, "
+                f"switch_criterion; got {given or 'none'}"
+            )
+        if self.switch_step < 0:
+            raise ValueError(f"quant.switch_step must be >= 1, got {self.switch_step}")
+        if not 0 <= self.switch_fraction < 1:
+            raise ValueError(
+                f"quant.switch_fraction must be in (0, 1), got {self.switch_fraction}"
+            )
+        if self.switch_criterion not in ("", "grad_noise"):
+            raise ValueError(
+                f"quant.switch_criterion: expected 'grad_noise', got {self.switch_criterion!r}"
+            )
+        if self.switch_check_every < 1:
+            raise ValueError(
+                f"quant.switch_check_every must be >= 1, got {self.switch_check_every}"
+            )
+        if self.plan is not None:
+            raise ValueError("quant.switch_to with quant.plan: a plan's recipes do not switch")
 
     def recipes(self) -> list:
         """Every recipe the rules use: ``recipe`` and the plan's."""
@@ -246,7 +336,13 @@ def check_hadamard_fits(cfg: RunConfig) -> None:
 RESUMABLE = {("train", "stop_at"), ("train", "progress"), ("train", "keep_checkpoints")}
 # Fields added after runs were written with no value for them, and the value those runs had in
 # effect (config_diff reads a missing key as this instead of None).
-ADDED = {("init_from",): "", ("family",): DEFAULT_FAMILY, ("quant", "recipe_version"): 1}
+ADDED = {
+    ("init_from",): "",
+    ("family",): DEFAULT_FAMILY,
+    ("quant", "recipe_version"): 1,
+    **{("quant", f.name): f.default for f in dataclasses.fields(QuantConfig)
+       if f.name.startswith(("osci_", "out_control", "switch_"))},
+}
 # Model fields an init_from run may change: they do not change the parameters.
 INIT_FROM_FREE = {"dtype"}
 

@@ -42,6 +42,7 @@ finite are written.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -75,6 +76,7 @@ from experiments.configlib import ConfigError
 from experiments.families import DEFAULT_FAMILY
 from experiments.metrics import finite, truncate_metrics, write_json
 from lowbit import autoquant
+from lowbit.flax import training as lbt
 
 __all__ = [
     "AXES",
@@ -129,13 +131,39 @@ def build_float_model(cfg: RunConfig) -> nnx.Module:
 def build_model(cfg: RunConfig) -> nnx.Module:
     """The family's model with its linear layers quantized by :func:`quant_rules` (seeded by
     cfg.seed): the model a run of ``cfg`` trains."""
-    model = build_float_model(cfg)
-    return lbf.quantize(
-        model,
+    model = lbf.quantize(
+        build_float_model(cfg),
         quant_rules(cfg.quant),
         rngs=nnx.Rngs(quant=cfg.seed + 1),
         implementation=cfg.quant.implementation,
     )
+    q = cfg.quant
+    if q.out_control:
+        lbt.out_control(model, ratio=q.out_control, multiple=q.out_control_multiple)
+    return model
+
+
+def _switched(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with the recipe its precision schedule switches to (``quant.switch_to``)."""
+    quant = dataclasses.replace(
+        cfg.quant, recipe=cfg.quant.switch_to, recipe_version=None, switch_to=None,
+        switch_step=0, switch_fraction=0.0, switch_criterion="", osci_period=0,
+    )
+    return dataclasses.replace(cfg, quant=quant)
+
+
+def switch_step(cfg: RunConfig) -> int | None:
+    """The step after which a scheduled switch happens (None: by criterion or never)."""
+    q = cfg.quant
+    if q.switch_to is None or q.switch_criterion:
+        return None
+    return q.switch_step or max(1, round(q.switch_fraction * cfg.train.steps))
+
+
+GRAD_NOISE_RATIO = 3**0.5
+"""FP4 All the Way's threshold (arXiv:2505.19115, section 5): quantized training stops paying
+once the gradient norm falls below sqrt(3) times the norm of the backward's quantization
+noise; the precision schedule's ``grad_noise`` criterion switches there."""
 
 
 def make_mesh(m: MeshConfig, devices=None) -> Mesh:
@@ -179,7 +207,20 @@ def _schedule(t: TrainConfig) -> optax.Schedule:
     )
 
 
-def _optimizer(t: TrainConfig) -> optax.GradientTransformation:
+def _optimizer(t: TrainConfig, cfg: RunConfig | None = None) -> optax.GradientTransformation:
+    """AdamW with clipping; with ``quant.osci_period``, inside TetraJet-v2's OsciReset
+    (:func:`lowbit.flax.training.osci_reset`, the quantizer of the run's recipe)."""
+    tx = _adamw(t)
+    if cfg is None or not cfg.quant.osci_period:
+        return tx
+    q = cfg.quant
+    model = nnx.eval_shape(lambda: build_model(cfg))
+    quantizer = lbt.weight_quantizer(model, quant_rules(q))
+    return lbt.osci_reset(tx, quantizer, period=q.osci_period, window=q.osci_window,
+                          threshold=q.osci_threshold, start=q.osci_start)
+
+
+def _adamw(t: TrainConfig) -> optax.GradientTransformation:
     # Weight decay on matrices only (not norms' scales).
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     adamw = optax.adamw(
@@ -215,21 +256,30 @@ class Trainer:
         self.cfg = cfg
         self.mesh = mesh
         family = family_of(cfg)
-        self.tx = _optimizer(cfg.train)
+        self.tx = _optimizer(cfg.train, cfg)
         self.schedule = _schedule(cfg.train)
+        # A precision schedule's second recipe: its own model graph and non-parameter state
+        # ("rest2"), and the step after which the run switched (0: not yet) in the state.
+        second = _switched(cfg) if cfg.quant.switch_to is not None else None
 
         def init(params=None):
             model = build_model(cfg)
             _, own, rest = nnx.split(model, nnx.Param, ...)
             params = own if params is None else params  # (the unused random init is dropped)
-            return {
+            state = {
                 "step": jnp.zeros((), jnp.int32),
                 "params": params,
                 "rest": rest,
                 "opt": self.tx.init(params),
             }
+            if second is not None:
+                state["rest2"] = nnx.split(build_model(second), nnx.Param, ...)[2]
+                state["switched_at"] = jnp.zeros((), jnp.int32)  # the step after which it did
+            return state
 
         self.graphdef = nnx.split(nnx.eval_shape(lambda: build_model(cfg)), nnx.Param, ...)[0]
+        self.graphdef2 = None if second is None else nnx.split(
+            nnx.eval_shape(lambda: build_model(second)), nnx.Param, ...)[0]
         self.abstract = jax.eval_shape(init)
         self.state_sharding = _shardings(self.abstract, mesh)
         self._init = jax.jit(init, out_shardings=self.state_sharding)
@@ -242,33 +292,45 @@ class Trainer:
         self.batch_sharding = NamedSharding(mesh, P(AXES))
         graphdef = self.graphdef
 
-        def step_fn(state, batch):
+        def grads_of(state, batch, phase: int = 0):  # phase 1: after a precision switch
+            g, key = (graphdef, "rest") if phase == 0 else (self.graphdef2, "rest2")
+
             def objective(params):
-                model = nnx.merge(graphdef, params, state["rest"], copy=True)
+                model = nnx.merge(g, params, state[key], copy=True)
                 loss, metrics = family.loss_fn(model, batch)
                 _, _, rest = nnx.split(model, nnx.Param, ...)
                 return loss, (metrics, rest)
 
-            (loss, (metrics, rest)), grads = jax.value_and_grad(objective, has_aux=True)(
+            (_, (metrics, rest)), grads = jax.value_and_grad(objective, has_aux=True)(
                 state["params"]
             )
+            return grads, metrics, rest
+
+        def step_fn(state, batch, phase: int = 0):
+            grads, metrics, rest = grads_of(state, batch, phase)
             updates, opt = self.tx.update(grads, state["opt"], state["params"])
             params = optax.apply_updates(state["params"], updates)
             metrics = dict(metrics)
             metrics["grad_norm"] = optax.tree.norm(grads)
             # A finite loss and gradient can still give non-finite parameters (a huge lr):
-            # checked before a checkpoint is written. (A count, not a norm: a norm of large
-            # finite parameters can overflow.)
+            # checked before a checkpoint is written (a count: a norm can overflow).
             metrics["nonfinite_params"] = sum(
                 jnp.sum(~jnp.isfinite(p)).astype(jnp.float32) for p in jax.tree.leaves(params)
             )
             metrics["lr"] = self.schedule(state["step"])
-            new = {"step": state["step"] + 1, "params": params, "rest": rest, "opt": opt}
+            new = {**state, "step": state["step"] + 1, "params": params, "opt": opt}
+            new["rest" if phase == 0 else "rest2"] = rest
             return new, metrics
 
         def eval_fn(state, batch):
-            model = nnx.merge(graphdef, state["params"], state["rest"], copy=True)
-            return family.eval_batch(model, batch)
+            def under(g, key):
+                return family.eval_batch(nnx.merge(g, state["params"], state[key], copy=True),
+                                         batch)
+
+            if self.graphdef2 is None:
+                return under(graphdef, "rest")
+            return jax.lax.cond(state["switched_at"] > 0, lambda: under(self.graphdef2, "rest2"),
+                                lambda: under(graphdef, "rest"))
 
         # The step unjitted (for jax.export, e.g. lowering it for CUDA on any machine).
         self.step_fn = step_fn
@@ -278,6 +340,9 @@ class Trainer:
             out_shardings=(self.state_sharding, None),
             donate_argnums=0,
         )
+        if second is not None:
+            self._schedule_fns(step_fn, grads_of)
+        self._out_control_fns()
         # Per eval batch: every output of the family's eval (reduced by family.reduce) ...
         self.eval_outputs = jax.jit(
             eval_fn, in_shardings=(self.state_sharding, self.batch_sharding)
@@ -287,6 +352,50 @@ class Trainer:
             lambda state, batch: eval_fn(state, batch)["loss"],
             in_shardings=(self.state_sharding, self.batch_sharding),
         )
+
+    def _schedule_fns(self, step_fn, grads_of) -> None:
+        """A precision schedule's jitted functions: ``step2`` (the step after the switch) and
+        ``grad_noise`` (the ``grad_noise`` criterion's measurement)."""
+        self.step2 = jax.jit(
+            functools.partial(step_fn, phase=1),
+            in_shardings=(self.state_sharding, self.batch_sharding),
+            out_shardings=(self.state_sharding, None),
+            donate_argnums=0,
+        )
+
+        def grad_noise(state, batch):
+            """FP4 All the Way's criterion on ``batch``: the norm of the gradient under
+            the recipe switched to (its reference), and of the current recipe's
+            gradient's deviation from it (the backward's quantization noise). The
+            model state is not advanced (the current recipe's keys are drawn from a
+            copy)."""
+            g1, _, _ = grads_of(state, batch, 0)
+            g2, _, _ = grads_of(state, batch, 1)
+            noise = jax.tree.map(lambda a, b: a - b, g1, g2)
+            return {"grad_norm": optax.tree.norm(g2), "noise_norm": optax.tree.norm(noise)}
+
+        self.grad_noise = jax.jit(
+            grad_noise, in_shardings=(self.state_sharding, self.batch_sharding)
+        )
+
+    def _out_control_fns(self) -> None:
+        """OutControl's two hooks as jitted ``state -> state`` functions:
+        ``start_recording`` and ``select_channels``."""
+        graphdef = self.graphdef
+
+        def edit_model(fn):
+            """A jitted ``state -> state`` applying ``fn`` to the model (OutControl's hooks)."""
+
+            def run(state):
+                model = nnx.merge(graphdef, state["params"], state["rest"], copy=True)
+                fn(model)
+                return {**state, "rest": nnx.split(model, nnx.Param, ...)[2]}
+
+            return jax.jit(run, in_shardings=(self.state_sharding,),
+                           out_shardings=self.state_sharding, donate_argnums=0)
+
+        self.start_recording = edit_model(lbt.start_recording)
+        self.select_channels = edit_model(lbt.select_channels)
 
     def init_state(self, params=None):
         """A fresh train state (step 0, a fresh optimizer and quantizer rng state), with the
@@ -462,6 +571,7 @@ class _Loop:
         self.losses: dict[int, float] = {}
         self.intervals: list[float] = []
         self.last_good = None  # the step of the newest checkpoint known to be finite
+        self.switched_at = 0  # the step after which the precision schedule switched (0: not)
 
     def resume(self, start: int):
         """The train state and batch stream of checkpoint ``start``."""
@@ -475,6 +585,8 @@ class _Loop:
                 f"{data_state.get('fingerprint')} -> {self.dataset.fingerprint})"
             )
         data_state.pop("fingerprint")
+        if "switched_at" in state:
+            self.switched_at = int(jax.device_get(state["switched_at"]))
         batches = self.family.batches(self.cfg, self.dataset, data_state)
         if self.writer:
             truncate_metrics(self.metrics_path, start)
@@ -500,10 +612,12 @@ class _Loop:
             self.t_last, self.step_last = None, self.start
             for s in range(self.start + 1, self.stop + 1):
                 batch = trainer.put_batch(next(batches))
-                state, metrics = trainer.step(state, batch)
+                step = trainer.step2 if self.switched_at else trainer.step
+                state, metrics = step(state, batch)
                 if pending is not None:
                     self.drain(pending)
                 pending = (s, metrics)
+                state = self.after_step(s, state, batch)
                 if s == self.start + 1:  # the first step includes compilation: time from the next
                     jax.block_until_ready(metrics)
                     self.mark(s)
@@ -530,6 +644,35 @@ class _Loop:
             int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.abstract["params"])
         )
         return final_val
+
+    def after_step(self, s: int, state, batch):
+        """The training-state hooks after step ``s`` (TetraJet-v2's, counted as its
+        ``iter_num = s - 1``; the precision schedule), each logged as a record."""
+        q, tr = self.cfg.quant, self.trainer
+        if q.out_control:
+            if s - 1 == q.out_control_start:
+                state = tr.start_recording(state)
+                self.write({"kind": "out_control", "step": s, "event": "record"})
+            elif s - 1 == q.out_control_start + q.out_control_steps:
+                state = tr.select_channels(state)
+                self.write({"kind": "out_control", "step": s, "event": "select"})
+        if q.osci_period and s - 1 >= q.osci_start and (s - 1) % q.osci_period == q.osci_window + 1:
+            n = int(jax.device_get(state["opt"].last_reset))
+            self.write({"kind": "osci_reset", "step": s, "weights": n})
+        if q.switch_to is None or self.switched_at:
+            return state
+        go = s == switch_step(self.cfg)
+        if q.switch_criterion and s % q.switch_check_every == 0:
+            r = {k: float(v) for k, v in jax.device_get(tr.grad_noise(state, batch)).items()}
+            ratio = r["grad_norm"] / r["noise_norm"] if r["noise_norm"] > 0 else float("inf")
+            go = ratio < GRAD_NOISE_RATIO
+            self.write({"kind": "switch_check", "step": s, **r, "ratio": ratio})
+        if go:
+            self.switched_at = s
+            state = {**state, "switched_at": jax.device_put(
+                jnp.asarray(s, jnp.int32), tr.state_sharding["switched_at"])}
+            self.write({"kind": "switch", "step": s, "to": q.switch_to})
+        return state
 
     def evaluate(self, state) -> dict[str, float]:
         return self.family.reduce([self.trainer.eval_outputs(state, b) for b in self.evals])
@@ -595,6 +738,9 @@ class _Loop:
             "backend": jax.default_backend(),
             "family": cfg.family,
         }
+        if cfg.quant.switch_to is not None:
+            summary["switch_to"] = cfg.quant.switch_to
+            summary["switched_at"] = self.switched_at or None
         if self.writer:
             write_json(cfg.run_dir / "summary.json", summary)
         distributed.barrier("lowbit-done")  # the files are there when any process returns

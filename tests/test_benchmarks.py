@@ -61,6 +61,10 @@ def test_bench_quantize_quick_writes_one_row_per_format_and_rounding(tmp_path, c
         for b in bench_quantize.QUICK_HADAMARD
     }
     assert [r["format"] for r in fused if r["kind"] == "tiles"] == [bench_quantize.TILES[0][0]]
+    # NVFP4 scale rules (Four Over Six, tensor_block=128, MS-EDEN), against their bound.
+    rules = [r for r in fused if r["kind"] == "rule"]
+    assert [r["rule"] for r in rules] == [name for name, _ in bench_quantize.RULES]
+    assert all(r["bound"] == bench_quantize.RULE_BOUND for r in rules)
     for row in fused:
         assert row["ms"] > 0 and row["x_baseline"] > 0 and row["xla_x_baseline"] > 0
         assert len(row["samples_ms"]) == len(row["xla_samples_ms"]) == bench_quantize.QUICK_RUNS

@@ -23,6 +23,12 @@ Prescale gain (``gain=g``): bit-exact with ``lowbit.core.qarray.quantize_with_pl
 ``make_plan(..., prescale=g)``; dividing the dequantized values by ``g`` gives lowbit's
 fake-quantized values for that plan.
 
+NVFP4's MS-EDEN (``rounding="eden"``) and TetraJet-v2's double-block scales (``tensor_block``):
+bit-exact with lowbit (codes, scales, tensor or outer scales, values) on Gaussian, heavy-tailed,
+row-scaled, all-zero and NaN/Inf inputs, along both axes, with and without a fused Hadamard
+transform (MS-EDEN's random Hadamard of 128 included); the outer blocks the kernel declines fall
+back to the reference with a warning.
+
 Without a GPU the Triton path is checked by lowering every kernel configuration for CUDA
 through jax.export, with each Triton module run through the MLIR verifier (test_lowers_for_cuda,
 test_hadamard_and_gain_lower_for_cuda: every configuration the tests here run, along both
@@ -185,12 +191,13 @@ _dequantize = jax.jit(lb.dequantize, static_argnums=1)
 
 
 def _assert_same_qarray(q: lb.QArray, r: lb.QArray):
-    assert (q.format_name, q.shape, q.dtype, q.axes, q.block_shape) == (
+    assert (q.format_name, q.shape, q.dtype, q.axes, q.block_shape, q.tensor_block) == (
         r.format_name,
         r.shape,
         r.dtype,
         r.axes,
         r.block_shape,
+        r.tensor_block,
     )
     assert jax.tree_util.tree_structure(q) == jax.tree_util.tree_structure(r)
     assert q.codes.shape == r.codes.shape and q.codes.dtype == r.codes.dtype == jnp.uint8
@@ -200,8 +207,9 @@ def _assert_same_qarray(q: lb.QArray, r: lb.QArray):
     if r.tensor_scale is None:
         assert q.tensor_scale is None
     else:
-        assert np.asarray(q.tensor_scale).view(np.uint32) == np.asarray(r.tensor_scale).view(
-            np.uint32
+        # a scalar, or one per outer block (double-block scales), bit for bit
+        np.testing.assert_array_equal(
+            np.asarray(q.tensor_scale).view(np.uint32), np.asarray(r.tensor_scale).view(np.uint32)
         )
 
 
@@ -495,3 +503,227 @@ def test_gain_lowers_for_cuda(case):
     fmt, axis, rounding, gain = case
     cfg = TestQuantizePallasInterpret().config((32, 64), fmt, axis)
     _export(fmt, axis, rounding, shape=(32, 64), config=cfg, gain=gain)
+
+
+# --------------------------------------------------------------------------------------------
+# MS-EDEN and double-block scales (NVFP4's scale rules the kernel computes with lowbit's own
+# arithmetic): bit for bit against the XLA path, codes, scales, tensor or outer scales and
+# the values of lb.fake_quantize, on every kind of input below.
+
+KINDS = ("gaussian", "heavy", "rows", "zeros", "specials")
+
+
+def _kind_matrix(kind, shape, seed=0, dtype=jnp.float32) -> jax.Array:
+    """Gaussian; heavy-tailed (student-t, df=2); row-scaled (each row and each column times
+    10**u, u in [-6, 6], so lines along either axis differ by up to 12 decades); all zeros;
+    Gaussian with a NaN, a +Inf, a -Inf, an all-zero line and values near 1e-30."""
+    rng = np.random.default_rng(seed)
+    if kind == "heavy":
+        x = rng.standard_t(2, shape)
+    elif kind == "zeros":
+        x = np.zeros(shape)
+    else:
+        x = rng.standard_normal(shape)
+    if kind == "rows":
+        x = x * 10.0 ** rng.uniform(-6, 6, (shape[0], 1)) * 10.0 ** rng.uniform(-6, 6, shape[1])
+    if kind == "specials":
+        x[0, :] = 0.0
+        x[:, 0] = 0.0
+        x[1, 5] = np.nan
+        x[2, 40 % shape[1]] = np.inf
+        x[7, 3] = -np.inf
+        x[3, :] = rng.standard_normal(shape[1]) * 1e-30
+    return jnp.asarray(x.astype(np.float32)).astype(dtype)
+
+
+class ScaleCase(NamedTuple):
+    """An NVFP4 scale-rule configuration: axis, rounding (``"eden"`` for MS-EDEN), outer block
+    (None: MS-EDEN), fused Hadamard block (None: none), gain, input dtype, shape, tile."""
+
+    axis: int
+    rounding: str
+    tensor_block: int | None
+    hadamard: int | None
+    gain: float
+    dtype: str
+    shape: tuple[int, int]
+    tile: tuple[int, int]
+
+    def kwargs(self) -> dict:
+        signs = None if self.hadamard is None else random_signs(jax.random.key(3), self.hadamard)
+        key = None if self.rounding == "nearest" else KEY
+        return dict(rounding=self.rounding, key=key, tensor_block=self.tensor_block,
+                    hadamard=self.hadamard, signs=signs, prescale=self.gain)
+
+
+# MS-EDEN as Quartet II's backward runs it (after a random Hadamard of 128, along either axis)
+# and without a transform; double-block scales (TetraJet-v2's 128, a partial last outer block
+# along either axis: 320 = 2.5 outer blocks), stochastic with a gain, with a fused Hadamard
+# transform, outer blocks of one block (16), and a tile holding several outer blocks.
+SCALE_CASES = [
+    ScaleCase(-1, "eden", None, None, 1.0, "float32", (40, 96), (8, 32)),
+    ScaleCase(0, "eden", None, None, 1.0, "float32", (96, 40), (32, 8)),
+    ScaleCase(-1, "eden", None, 128, 1.0, "float32", (24, 256), (8, 128)),
+    ScaleCase(0, "eden", None, 128, 1.0, "bfloat16", (128, 48), (128, 16)),
+    ScaleCase(-1, "nearest", 128, None, 1.0, "float32", (24, 320), (8, 128)),
+    ScaleCase(0, "nearest", 128, None, 1.0, "float32", (320, 24), (128, 8)),
+    ScaleCase(-1, "stochastic", 32, 16, 0.75, "float32", (24, 96), (8, 64)),
+    ScaleCase(0, "nearest", 64, 64, 1.0, "bfloat16", (128, 40), (64, 16)),
+    ScaleCase(-1, "stochastic", 16, None, 1.0, "float32", (24, 48), (8, 32)),
+]
+
+
+def _scale_id(case: ScaleCase) -> str:
+    rule = "eden" if case.rounding == "eden" else f"outer{case.tensor_block}-{case.rounding}"
+    h = f"-h{case.hadamard}" if case.hadamard else ""
+    return f"axis{case.axis}-{rule}{h}-g{case.gain}-{case.dtype}"
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
+def _fake_oracle(x, key, signs, axis, rounding, tensor_block, hadamard, gain):
+    """The XLA path's fake-quantized values: lb.fake_quantize of the transformed tensor (the
+    butterfly, the kernel's arithmetic), or for a gain the plan's fake quantizer (lowbit's
+    fake_quantize takes no prescale)."""
+    if hadamard is not None:
+        x = lb.core.hadamard.hadamard_transform(x, hadamard, signs=signs, axis=axis,
+                                                method="butterfly")
+    if gain == 1.0:
+        return lb.fake_quantize(x, "nvfp4", axis, rounding=rounding, key=key,
+                                tensor_block=tensor_block)
+    plan = lowbit_qarray.make_plan(x.shape, "nvfp4", axis, None, None, rounding, key, None,
+                                   gain, tensor_block)
+    return lowbit_qarray.fake_quantize_with_plan(x, key, None, plan, native=False)[0]
+
+
+def _assert_same_values(y, ref, what):
+    """Equal float arrays, bit for bit (the sign of zero included) except NaN's payload."""
+    y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(ref), err_msg=what)
+    ok = ~np.isnan(ref)
+    np.testing.assert_array_equal(y.view(np.uint32)[ok], ref.view(np.uint32)[ok], err_msg=what)
+
+
+@pytest.mark.parametrize("case", SCALE_CASES, ids=_scale_id)
+def test_the_kernel_computes_ms_eden_and_double_block_scales(case: ScaleCase):
+    kw = case.kwargs()
+    cfg = Config(*case.tile)
+    dtype = jnp.dtype(case.dtype)
+    for seed, kind in enumerate(KINDS):
+        x = _kind_matrix(kind, case.shape, seed, dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback to the reference
+            q = quantize(x, "nvfp4", case.axis, implementation="pallas", interpret=True,
+                         config=cfg, **kw)
+        ref = _lowbit(x, "nvfp4", case.axis, hadamard_method="butterfly", **kw)
+        assert q.tensor_block == case.tensor_block, kind
+        _assert_same_qarray(q, ref)
+        if case.tensor_block is not None:  # one outer scale per tensor_block elements
+            n = case.shape[case.axis]
+            assert q.tensor_scale.shape == (case.shape[1 + case.axis], -(-n // case.tensor_block))
+        y = lowbit_qarray.undo_prescale(_dequantize(q, None), case.gain)
+        ref_y = lowbit_qarray.undo_prescale(_dequantize(ref, None), case.gain)
+        _assert_same_values(y, ref_y, f"{kind}: values")
+        if case.tensor_block is not None and kind == "specials":
+            # The XLA path disagrees with itself here: a line of 1e-30 gives its outer block
+            # S ~ 1e-36, an all-zero block there s = 2**-9, and S * s is a float32 subnormal
+            # that XLA:CPU flushes to 0, so lowbit.core.qarray._double_block's 1 / (S * s) is
+            # Inf and 0 * Inf NaN: lb.fake_quantize gives NaN, lb.quantize NaN elements whose
+            # codes dequantize to finite values (the kernel's, above, bit for bit).
+            continue
+        fake = _fake_oracle(x, kw["key"], kw["signs"], case.axis, case.rounding,
+                            case.tensor_block, case.hadamard, case.gain)
+        # lb.fake_quantize's values, NaN where they are NaN; the sign of a zero aside (with a
+        # gain, lowbit's own values give a negative element that rounds to zero -0 jitted and
+        # +0 eagerly, whether or not it runs outer blocks)
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(fake, np.float32),
+                                      err_msg=f"{kind}: values against lb.fake_quantize")
+        if kind == "specials":  # a non-finite block: the NaN scale code
+            assert np.any(np.asarray(q.scales) == lowbit_qarray.UE4M3_NAN)
+
+
+def test_ms_eden_scales_depend_on_the_key_as_lowbits_do():
+    x = _kind_matrix("gaussian", (16, 64), seed=4)
+    cfg = Config(8, 32)
+    a, b = (quantize(x, "nvfp4", rounding="eden", key=jax.random.key(k), config=cfg,
+                     implementation="pallas", interpret=True) for k in (1, 2))
+    np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))  # nearest
+    assert np.mean(np.asarray(a.scales) != np.asarray(b.scales)) > 0.1
+    _assert_same_qarray(b, _lowbit(x, "nvfp4", rounding="eden", key=jax.random.key(2)))
+
+
+@pytest.mark.parametrize("tensor_block", [48, 2048])
+def test_declined_outer_blocks_fall_back_with_a_warning(tensor_block):
+    """An outer block that no power-of-two tile can span whole (48), or longer than the
+    kernel's tiles go (2048): the api computes lowbit's result in XLA, with a warning that
+    says why; the kernel's entry point refuses the plan."""
+    from pallas_kernels.quantize.kernel import MAX_TENSOR_BLOCK, plan_unsupported
+
+    assert tensor_block % 16 == 0 and (tensor_block > MAX_TENSOR_BLOCK or tensor_block % 3 == 0)
+    x = _kind_matrix("gaussian", (8, 96 if tensor_block == 48 else 2048), seed=5)
+    plan = lowbit_qarray.make_plan(x.shape, "nvfp4", 1, None, None, "nearest", None, None,
+                                   tensor_block=tensor_block)
+    why = plan_unsupported(plan)
+    assert why is not None and f"tensor_block={tensor_block}" in why
+    with pytest.warns(UserWarning, match=f"falling back .*tensor_block={tensor_block}"):
+        q = quantize(x, "nvfp4", tensor_block=tensor_block, implementation="pallas",
+                     interpret=True)
+    _assert_same_qarray(q, _lowbit(x, "nvfp4", tensor_block=tensor_block))
+    with pytest.raises(ValueError, match="does not compute tensor_block"):
+        quantize_pallas(x, plan, config=Config(8, 64))
+
+
+def test_supported_scale_rules_are_not_declined():
+    from pallas_kernels.quantize.kernel import plan_unsupported
+
+    for kw in (dict(rounding="eden", key=KEY), dict(tensor_block=128), dict(tensor_block=1024),
+               dict(tensor_block=16, rounding="stochastic", key=KEY)):
+        plan = lowbit_qarray.make_plan((8, 2048), "nvfp4", 1, None, None,
+                                       kw.get("rounding", "nearest"), kw.get("key"), None,
+                                       tensor_block=kw.get("tensor_block"))
+        assert plan_unsupported(plan) is None, kw
+
+
+def test_double_block_tiles_span_whole_outer_blocks():
+    x = jnp.ones((32, 256))
+    with pytest.raises(ValueError, match=r"block_cols=64 must be a multiple of tensor_block=128"):
+        quantize(x, "nvfp4", tensor_block=128, config=Config(16, 64), implementation="pallas",
+                 interpret=True)
+    with pytest.raises(ValueError, match=r"block_rows=64 must be a multiple of tensor_block=128"):
+        quantize(x.T, "nvfp4", 0, tensor_block=128, config=Config(64, 16),
+                 implementation="pallas", interpret=True)
+    for shape, axis, tb in (((4096, 4096), 1, 128), ((7, 100), 0, 128), ((16, 8192), 1, 1024),
+                            ((8192, 64), 0, 1024), ((64, 512), 1, 16)):
+        cfg = get_default(shape, "nvfp4", axis, tensor_block=tb)
+        cfg.check("nvfp4", axis, tensor_block=tb)
+        assert cfg.block_rows * cfg.block_cols <= 8192
+        cfg = get_default(shape, "nvfp4", axis, hadamard=256, tensor_block=tb)
+        cfg.check("nvfp4", axis, 256, tb)
+
+
+def test_default_tiles_compute_ms_eden_and_double_block_scales():
+    x = _kind_matrix("heavy", (48, 256), seed=6)
+    for axis, kw in ((-1, dict(tensor_block=128)), (0, dict(rounding="eden", key=KEY))):
+        q = quantize(x, "nvfp4", axis, implementation="pallas", interpret=True, **kw)
+        _assert_same_qarray(q, _lowbit(x, "nvfp4", axis, **kw))
+
+
+@pytest.mark.parametrize("case", SCALE_CASES, ids=_scale_id)
+def test_ms_eden_and_double_block_lower_for_cuda(case: ScaleCase):
+    """The interpret-mode tests' tiles and shapes, and the default tile of a larger bfloat16
+    operand: one Triton kernel each (neither rule runs an amax pass first)."""
+    for shape, cfg, dtype in ((case.shape, Config(*case.tile), jnp.dtype(case.dtype)),
+                              ((512, 512), None, jnp.bfloat16)):
+        cfg = cfg or get_default(shape, "nvfp4", case.axis, case.hadamard, case.tensor_block)
+        specs = [jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct((2,), jnp.uint32)]
+        if case.hadamard:
+            specs.append(jax.ShapeDtypeStruct((case.hadamard,), jnp.float32))
+
+        def fn(x, key, signs=None, cfg=cfg):
+            plan = lowbit_qarray.make_plan(x.shape, "nvfp4", case.axis % 2, None, None,
+                                           case.rounding, key, None, case.gain,
+                                           case.tensor_block)
+            return quantize_pallas(x, plan, key, config=cfg, hadamard=case.hadamard,
+                                   signs=signs)
+
+        exported = export_for_cuda(fn, *specs)
+        assert exported.mlir_module().count("xla.gpu.triton") == 1

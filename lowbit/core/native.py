@@ -28,11 +28,27 @@ after an XLA-path call (which allocates and frees arrays of x's size) the same c
 
 Where it applies: on the CPU backend, 1-D blocks (any axis, any block size) and 2-D tiles
 (any two axes, any tile), with a fused Hadamard transform (1-D blocks, b in 16..256 dividing
-the axis length), every MX format and NVFP4, nearest and stochastic rounding, under ``jit``,
+the axis length), every MX format and NVFP4, nearest and stochastic rounding, NVFP4's
+block-scale rules (Four Over Six, ``lowbit.core.scales.four_over_six``, arXiv 2512.02010;
+TetraJet-v2's double-block ``tensor_block``, 1-D blocks as the plan allows; MS-EDEN,
+``rounding="eden"``, ``lowbit.core.scales.ms_eden``, Quartet II, arXiv 2601.22813), under ``jit``,
 ``vmap`` (signs batched too) and ``grad`` (the straight-through gradient is defined outside
 it); ``clip_gradient=True`` keeps the XLA path. Padding to whole blocks happens inside the
 kernel (no pad or slice passes). On GPU and TPU, and when lowering for them (``jax.export(...,
 platforms=["cuda"])``), the XLA path is used: the choice is a ``lax.platform_dependent``.
+
+The rules. Four Over Six and MS-EDEN need a block's elements together: a chunk's tiles are
+gathered tile-major and each block's error sums (Four Over Six) or sum(u * u), sum(u * q)
+(MS-EDEN) are added in ``lowbit.core.scales.block_sum``'s one order, so the 4-vs-6 choice
+and the corrected scales are the XLA path's, bit for bit (tests/test_native_scale_rules.py
+pins the order on blocks whose choice it flips). MS-EDEN's tensor scale ``max(s1) / 256``
+depends on every block: the kernel runs two passes, the first writing each element's
+E2M1 code (one byte: a quarter of x's size) and each block's corrected scale, the second
+the values from them (x is read once; letting XLA do ``ms_eden_scales`` would cost two more
+full passes). Measured (4096 x 4096 float32, ``bench_quantize.py``, 2 shared cores, noisy):
+``tensor_block=128`` 0.76-1.32x of ``x * 2 + 1`` (within the 1.3x bound); Four Over Six
+1.9-2.5x along the last axis and 3.2-3.6x along axis 0; MS-EDEN 2.1-2.4x and 2.1-3.6x (the
+XLA path: 15.8x / 3.3x and 2.8x / 2.9x): both still above the bound.
 
 Building. The kernel is compiled once per machine, with the C++ compiler on ``PATH`` (``$CXX``,
 else ``c++``/``g++``) against the XLA FFI headers that ship with jaxlib, into
@@ -81,7 +97,7 @@ import numpy as np
 
 from lowbit.core import hadamard as _hadamard
 from lowbit.core.numerics import key_words
-from lowbit.core.scales import oas_constant
+from lowbit.core.scales import EDEN_SCALE_OVERRIDE, FOUR_OVER_SIX_METRICS, oas_constant
 
 __all__ = [
     "TARGET",
@@ -116,6 +132,9 @@ _CXXFLAGS = (
 )
 _KINDS = {"mx_float": 0, "mx_int": 1, "nvfp4": 2}
 _SCALE_MODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3, "oas": 4}
+# NVFP4's block-scale rules (the kernel's Rule) and Four Over Six's block errors (its Metric).
+_RULES = {"plain": 0, "four_over_six": 1, "double_block": 2, "eden": 3}
+_METRICS = {"mse": 0, "mae": 1, "max": 2}
 
 _log = logging.getLogger("lowbit")
 _lock = threading.Lock()
@@ -331,19 +350,17 @@ def supports(plan, hadamard: int | None = None) -> bool:
         return False
     if not kernel_format(plan.fmt):
         return False
-    if plan.scale_mode not in _SCALE_MODES and plan.scale_mode != "nvfp4":
-        return False  # Four Over Six: no per-block choice of candidates here, the XLA path
-    if plan.tensor_block is not None:
-        return False  # double-block scales: no outer blocks here, the XLA path
-    if plan.eden:
-        return False  # MS-EDEN: no scale correction here, the XLA path
+    if (plan.scale_mode not in _SCALE_MODES and plan.scale_mode != "nvfp4"
+            and plan.scale_mode not in FOUR_OVER_SIX_METRICS):
+        return False
     if hadamard is not None:
         if len(plan.axes) != 1 or hadamard not in _hadamard.BLOCK_SIZES:
             return False
         if plan.shape[plan.axes[0]] % hadamard:
             return False
     n = int(np.prod(plan.padded_shape, dtype=np.int64))
-    return 0 < n and not (plan.stochastic and n >= 2**32)
+    # the random bits (and MS-EDEN's block indices) are uint32 hashes of indices
+    return 0 < n and not ((plan.stochastic or plan.eden) and n >= 2**32)
 
 
 def fake_quantize(
@@ -404,12 +421,29 @@ def _geometry(plan) -> dict[str, np.int64]:
     return {k: np.int64(v) for k, v in dims.items()}
 
 
+def _rule(plan) -> str:
+    """The kernel's NVFP4 block-scale rule for ``plan``: Four Over Six
+    (``lowbit.core.scales.four_over_six``), TetraJet-v2's double-block scales
+    (``qarray._double_block``), MS-EDEN (``lowbit.core.scales.ms_eden``) or the plain one."""
+    if plan.scale_mode in FOUR_OVER_SIX_METRICS:
+        return "four_over_six"
+    if plan.tensor_block is not None:
+        return "double_block"
+    return "eden" if plan.eden else "plain"
+
+
 def plan_attributes(plan) -> dict[str, np.generic]:
     """The kernel's static FFI attributes, all derived from ``plan`` (a ``lowbit.core.plan.Plan``):
-    the element grid, the scale rule, the prescale, the rounding and the geometry. A new
-    quantizer option of the plan reaches the kernel here and nowhere else."""
+    the element grid, the scale rule (NVFP4: plain, Four Over Six with its block error,
+    double-block with its outer block, MS-EDEN with its scale constant), the prescale, the
+    rounding and the geometry. A new quantizer option of the plan reaches the kernel here and
+    nowhere else."""
     fmt, elem = plan.fmt, plan.fmt.elem
     kind = "nvfp4" if fmt.tensor_scale else ("mx_int" if elem.is_int else "mx_float")
+    metric = FOUR_OVER_SIX_METRICS.get(plan.scale_mode, "mse")
+    # MS-EDEN's 1 / (6 / override) as Quartet II's launchers compute it: 6 / override in
+    # float64 (a Python float), rounded to float32, then a float32 reciprocal.
+    eden_inv = np.float32(1.0) / np.float32(6.0 / EDEN_SCALE_OVERRIDE)
     return {
         "kind": np.int32(_KINDS[kind]),
         "scale_mode": np.int32(_SCALE_MODES.get(plan.scale_mode, 0)),
@@ -420,6 +454,10 @@ def plan_attributes(plan) -> dict[str, np.generic]:
         "oas_c": np.float32(oas_constant(elem) if fmt.is_mx else 0.0),
         "prescale": np.float32(plan.prescale),
         "stochastic": np.int32(plan.stochastic),
+        "rule": np.int32(_RULES[_rule(plan)]),
+        "metric": np.int32(_METRICS[metric]),
+        "tensor_block": np.int64(plan.tensor_block or 0),
+        "eden_inv_fp4_max": np.float32(eden_inv if plan.eden else 0.0),
         **_geometry(plan),
     }
 
@@ -433,7 +471,7 @@ def _call(x, key, tensor_amax, plan, hadamard, signs) -> jax.Array:
         )
         hadamard = signs = None
     xf = x.astype(jnp.float32)
-    if plan.stochastic:
+    if plan.stochastic or plan.eden:  # MS-EDEN rounds its block scales stochastically
         words = jnp.stack(key_words(key))
     else:
         words = jnp.zeros((2,), jnp.uint32)

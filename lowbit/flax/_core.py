@@ -301,6 +301,34 @@ class SiteTransform:
         return y + lowrank_branch(lhs, self.lowrank[0], self.lowrank[1], y.dtype)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ChannelSplit:
+    """A dense site's input channels split in two (TetraJet-v2's OutControl,
+    :func:`lowbit.flax.training.out_control`): while ``active`` (a traced bool), the GEMM is
+    the sum of the site's recipe on the ``inliers`` channels and ``recipe`` on the
+    ``outliers`` channels (each operand gathered along its contraction axis, in the order
+    given), with the key split between the two; otherwise the site's GEMM as it is."""
+
+    outliers: Any
+    inliers: Any
+    active: Any
+    recipe: Recipe
+
+    def run(self, gemm, lhs, rhs, recipe, key):
+        def split():
+            k_in = k_out = None
+            if key is not None:
+                k_in, k_out = jax.random.split(key)
+            y = gemm(jnp.take(lhs, self.inliers, axis=-1), jnp.take(rhs, self.inliers, axis=0),
+                     recipe, k_in)
+            y8 = gemm(jnp.take(lhs, self.outliers, axis=-1),
+                      jnp.take(rhs, self.outliers, axis=0), self.recipe,
+                      k_out if self.recipe.needs_key else None)
+            return y + y8
+
+        return jax.lax.cond(self.active, split, lambda: gemm(lhs, rhs, recipe, key))
+
+
 def qdot_general(
     lhs,
     rhs,
@@ -315,6 +343,7 @@ def qdot_general(
     site: str | None = None,
     packed: bool = False,
     transform: SiteTransform | None = None,
+    channels: ChannelSplit | None = None,
 ):
     """:func:`lowbit.dot_general` with Flax's keyword arguments (``out_sharding``) and the
     ``implementation`` of its GEMMs (resolved where the op was built).
@@ -323,7 +352,8 @@ def qdot_general(
     ``recipe`` is its serving form (:func:`serving_recipe`): an identity serving recipe runs
     the emulated GEMM on both operands as they are. ``transform``: the site's post-training
     state (:class:`SiteTransform`), applied around the GEMM. ``site``: the site's path, for
-    :func:`observing` and :func:`substituting`."""
+    :func:`observing` and :func:`substituting`. ``channels``: the site's channel split
+    (:class:`ChannelSplit`; a dense site, under no :func:`substituting` hook)."""
     if transform is not None:
         transform.check(dimension_numbers, lhs.ndim, rhs.ndim, f"site {site!r}")
         lhs = transform.lhs(lhs)
@@ -346,7 +376,11 @@ def qdot_general(
         return forward_operands(lhs, rhs, dimension_numbers, recipe, key, implementation)
 
     gemm = SiteGemm(run, operands)
-    y = _substitute(site, gemm, lhs, rhs, recipe, key)
+    if channels is not None and _SUBSTITUTE.get() is None:
+        check_dense(dimension_numbers, lhs.ndim, rhs.ndim, f"site {site!r} (channel split)")
+        y = channels.run(gemm, lhs, rhs, recipe, key)
+    else:
+        y = _substitute(site, gemm, lhs, rhs, recipe, key)
     if transform is not None:
         y = transform.output(y, lhs)
     if out_sharding is not None:

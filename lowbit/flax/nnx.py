@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.linen import attention as _linen_attention
@@ -29,7 +30,15 @@ from lowbit.gemm import recipes as _recipes
 from lowbit.gemm.implementation import Implementation, resolve
 from lowbit.io.tree import path_str
 
-__all__ = ["DotGeneral", "Einsum", "Attention", "PackedModel", "quantize", "sites"]
+__all__ = [
+    "DotGeneral",
+    "OutControlState",
+    "Einsum",
+    "Attention",
+    "PackedModel",
+    "quantize",
+    "sites",
+]
 
 
 def _stream(rngs, recipes: tuple[Recipe, ...], where: str):
@@ -57,6 +66,11 @@ def _names(rngs: nnx.Rngs) -> list[str]:
 
 def _draw(stream, recipe: Recipe):
     return stream() if recipe.needs_key else None
+
+
+class OutControlState(nnx.Variable):
+    """OutControl's state of a site (:mod:`lowbit.flax.training`; not trained): recorded
+    channel norms, the chosen channels and the two switches."""
 
 
 class DotGeneral(nnx.Module):
@@ -97,6 +111,24 @@ class DotGeneral(nnx.Module):
             self.lowrank_a, self.lowrank_b = nnx.Param(jnp.asarray(a)), nnx.Param(jnp.asarray(b))
         else:
             self.lowrank_a = self.lowrank_b = None
+        # OutControl (lowbit.flax.training.out_control): the outlier channels' recipe name,
+        # and OutControlState variables oc_norms, oc_recording, oc_active, oc_outliers,
+        # oc_inliers; None: off.
+        self.out_control = None
+
+    def channels(self, lhs) -> _core.ChannelSplit | None:
+        """The op's OutControl split for this call (None: off), after adding ``lhs``'s
+        per-channel L2 norms to the recorded norms where recording is on."""
+        if self.out_control is None:
+            return None
+        x = jax.lax.stop_gradient(lhs).astype(jnp.float32)
+        norms = jnp.sqrt(jnp.sum(jnp.square(x.reshape(-1, x.shape[-1])), axis=0))
+        rec = self.oc_recording.get_value()
+        self.oc_norms.set_value(self.oc_norms.get_value() + jnp.where(rec, norms, 0.0))
+        return _core.ChannelSplit(
+            self.oc_outliers.get_value(), self.oc_inliers.get_value(),
+            self.oc_active.get_value(), _recipes.get(self.out_control),
+        )
 
     def transform(self) -> _core.SiteTransform | None:
         """The site's post-training state as the op applies it (None: none)."""
@@ -130,6 +162,7 @@ class DotGeneral(nnx.Module):
             site=self.site,
             packed=self.packed,
             transform=self.transform(),
+            channels=self.channels(lhs),
         )
 
 

@@ -547,6 +547,58 @@ register(
     )
 )
 
+# TetraJet-v2's OutControl (olmo2-training/olmo/quantization_real/linear_mix.py:115-250 @
+# ca5953f6, NVFP4_mix_MXFP8_TetraJetv2_MatMulFunc_BwdAllRHT16SQ_Padding128) runs the input
+# channels with the largest recorded activation norms in MXFP8: x and w of those channels
+# quantized along K by quant_fp8 (kernels/csrc/quant_fp8.cu:30-75: blocks of 32, E4M3
+# elements, the E8M0 scale of amax / 448 rounded up: lowbit's "rceil"), round-to-nearest; the
+# weight gradient of those channels an MXFP8 GEMM of dy^T and the forward-quantized x^T
+# (quant_fp8_dequant_trans_requant_fused), and the input gradient one NVFP4 GEMM over all
+# channels, whose w^T holds these channels' MXFP8-dequantized values (re-quantized with the
+# 16-point random Hadamard and stochastic rounding like the rest). lowbit.flax's channel split
+# (lowbit.flax.training.out_control) runs this recipe on the outlier channels and tetrajet2
+# on the others; the two halves' dy quantizations are drawn independently (TetraJet-v2
+# quantizes dy once for the whole dgrad), each unbiased.
+_tj8 = QuantSpec("mxfp8", scale_mode="rceil")
+register(
+    Recipe(
+        "tetrajet2_fp8",
+        fwd=GemmSpec(_tj8, _tj8),
+        dlhs=GemmSpec(_tjb, _tjb, hadamard=16),
+        drhs=GemmSpec(_tj8, _tj8),
+        backward_operands="forward",
+        description="TetraJet-v2's outlier channels (OutControl): MXFP8 (E4M3, rceil scales) "
+        "forward and weight gradient, the input gradient NVFP4 as tetrajet2's.",
+        source="TetraJet-v2 (arXiv:2510.27527) and its code (thu-ml/TetraJet-v2-NVFP4Training "
+        "@ ca5953f6)",
+    )
+)
+
+# FP4 All the Way (Chmiel et al. 2025, arXiv:2505.19115v2; its reference implementation,
+# github.com/Anonymous1252022/fp4-all-the-way, could not be fetched here, so this follows the
+# paper): NVFP4 (blocks of 16, E4M3 scales, the FP32 tensor scale) on every GEMM operand,
+# round-to-nearest in the forward (activations and weights) and stochastic rounding for the
+# neural gradients of the backward and update GEMMs, whose other operands are quantized as in
+# the forward; no Hadamard transforms, 1-D blocks along each GEMM's contraction axis. The
+# paper's end of training, QAF (quantization-aware fine-tuning: the forward stays FP4, the
+# backward runs in high precision), is lowbit's qat_nvfp4, switched to by the trainer's
+# precision schedule (experiments/config.py, quant.switch_*; configs/gpt.py sets it for this
+# recipe) when the gradient norm falls below sqrt(3) times the backward's quantization noise.
+_fa = QuantSpec("nvfp4")
+_fg = QuantSpec("nvfp4", rounding="stochastic")
+register(
+    Recipe(
+        "fp4_all_the_way",
+        fwd=GemmSpec(_fa, _fa),
+        dlhs=GemmSpec(_fg, _fa),
+        drhs=GemmSpec(_fa, _fg),
+        description="FP4 All the Way: NVFP4 everywhere, round-to-nearest forward, stochastic "
+        "rounding of the gradients; the trainer switches to qat_nvfp4 (QAF) by its criterion.",
+        source="Chmiel, Fishman, Banner and Soudry 2025, 'FP4 All the Way: Fully Quantized "
+        "Training of LLMs' (arXiv:2505.19115)",
+    )
+)
+
 # Quartet as its public code runs it (IST-DASLab/Quartet; files under src/models/quantization/):
 # - forward, QuestMXFP4Quantizer (quantizers/mxfp4.py, kernel in quantizers/mxfp4_triton.py)
 #   on both x and w: a fixed orthonormal Sylvester Hadamard matrix of 32 along the contraction

@@ -65,9 +65,11 @@ def quantize(
       fmt: a format name (every MX format and ``nvfp4``) or BlockFormat.
       axis: the axis the blocks run along: -1/1 (rows, the forward GEMM's activations) or
         0/-2 (columns, for the backward GEMMs).
-      rounding, key, scale_mode, tensor_amax, tensor_block: as in ``lowbit.quantize``; the
-        kernel declines Four Over Six and ``tensor_block`` (the XLA reference computes them,
-        with a warning when ``implementation="pallas"`` asked for the kernel).
+      rounding, key, scale_mode, tensor_amax, tensor_block: as in ``lowbit.quantize``;
+        MS-EDEN (``rounding="eden"``; its random Hadamard of 128 is ``hadamard=128,
+        signs=...``, applied first as in the XLA path) and double-block scales as the
+        kernel module describes; an outer block the kernel declines (``plan_unsupported``)
+        runs in the XLA reference, with a warning when ``implementation="pallas"`` asked.
       hadamard: None, or a Hadamard block size (16..256, a divisor of ``x.shape[axis]``):
         quantize ``lowbit.core.hadamard.hadamard_transform(x, hadamard, signs=signs, axis=axis)``
         (NVFP4's tensor amax is that of the transformed tensor). The kernel transforms each
@@ -103,7 +105,7 @@ def quantize(
     if config is not None:
         if not isinstance(config, Config):
             raise TypeError(f"config must be a quantize.Config, got {type(config).__name__}")
-        config.check(fmt, ax, hadamard)
+        config.check(fmt, ax, hadamard, plan.tensor_block)
     n_padded = x.shape[1 - ax] * plan.padded[0]
     if plan.stochastic and n_padded >= 2**32:
         raise ValueError(f"stochastic rounding supports fewer than 2**32 elements, got {n_padded}")
@@ -131,7 +133,7 @@ def quantize(
             tensor_block=tensor_block,
         )
     if config is None:
-        config = get_default(x.shape, fmt, ax, hadamard)
+        config = get_default(x.shape, fmt, ax, hadamard, plan.tensor_block)
     return quantize_pallas(
         x, plan, key, tensor_amax, config=config, interpret=interpret, hadamard=hadamard,
         signs=signs,

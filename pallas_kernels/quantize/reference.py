@@ -7,7 +7,9 @@ prescale=prescale)``. The
 kernel must return the very same :class:`lowbit.core.qarray.QArray` (codes, scales, tensor scale,
 bit for bit) for a 2-D input quantized along axis 0 or 1 with 1-D blocks: always without a
 Hadamard transform, and with one where the transform's arithmetic is exact or where the
-reference transforms with ``hadamard_method="butterfly"`` (the kernel's fixed order).
+reference transforms with ``hadamard_method="butterfly"`` (the kernel's fixed order). NVFP4's
+scale rules are the plan's: Four Over Six, MS-EDEN (``rounding="eden"``, whose random bits
+come from ``key``) and double-block scales (``tensor_block``) included.
 """
 
 from __future__ import annotations

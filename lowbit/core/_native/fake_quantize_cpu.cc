@@ -168,8 +168,17 @@ inline float WithSign(float r, float v) {
   }
 }
 
-enum Kind { kMxFloat = 0, kMxInt = 1, kNvfp4 = 2 };
+// kNvfp4Outer: NVFP4 under TetraJet-v2's double-block scales (rule kDoubleBlock), whose
+// elements are not zeroed where the block scale is 0 (x * 0 keeps x's sign, as in the XLA
+// path); the Python side never passes it as a kind.
+enum Kind { kMxFloat = 0, kMxInt = 1, kNvfp4 = 2, kNvfp4Outer = 3 };
 enum ScaleMode { kFloor = 0, kCeil = 1, kEven = 2, kRceil = 3, kOas = 4 };
+// NVFP4's block-scale rules beside the plain one (lowbit.core.scales, lowbit.core.qarray):
+// Four Over Six (scales.four_over_six), TetraJet-v2's double-block scales
+// (qarray._double_block) and MS-EDEN (scales.ms_eden).
+enum Rule { kPlainRule = 0, kFourOverSix = 1, kDoubleBlock = 2, kEden = 3 };
+// Four Over Six's block error: summed squared, summed absolute, largest absolute.
+enum Metric { kMse = 0, kMae = 1, kMaxError = 2 };
 
 // Per-block factors. MX: v = x * in1 [* in2] [* prescale], y = (q * out1) * out2.
 // NVFP4: v = x * in1 [* prescale], zero where in1 == 0, y = (q * out1) * out2 (s, then t).
@@ -185,6 +194,10 @@ struct Config {
   float oas_c;  // OAS's multiplier C (scales.oas_constant), float32
   float prescale;
   bool has_prescale, stochastic, has_tensor_amax;
+  Rule rule = kPlainRule;
+  Metric metric = kMse;
+  int64_t tensor_block = 0;     // kDoubleBlock: elements per outer block along C
+  float eden_inv_fp4_max = 0;   // kEden: float32(1) / float32(6 / override)
 };
 
 // qarray._mx_scale_exponent, then the exact power-of-two factors of qarray._quantize_blocks.
@@ -244,13 +257,37 @@ __attribute__((always_inline)) inline Factors Nvfp4Factors(uint32_t amax_bits, f
   return f;
 }
 
+// The double-block factors of qarray._double_block for a block with maxima bits amax_bits
+// under the outer scale big = (amax_outer / 448) / 6 (1 where that is 0): s = E4M3((amax / big)
+// / 6) (2**-9 where that quotient is 0; amax counts as 0 in a non-finite block), saturating;
+// r = 1 / (big * s) (0 where s == 0); values (q * s) * big.
+__attribute__((always_inline)) inline Factors DoubleBlockFactors(uint32_t amax_bits, float big,
+                                                             const Grid& e4m3) {
+  Factors f;
+  f.finite = amax_bits < kInfBits;
+  const float amax = f.finite ? Float(amax_bits) : 0.0f;
+  const float s_raw = (amax / big) / 6.0f;
+  const float s = RoundNearest(Saturate(s_raw == 0.0f ? 0x1p-9f : s_raw, kE4M3Max), e4m3);
+  f.in1 = s > 0.0f ? 1.0f / (big * s) : 0.0f;
+  f.in2 = 1.0f;
+  f.out1 = f.finite ? s : NAN;
+  f.out2 = big;
+  return f;
+}
+
+// The outer scale of an outer block whose largest finite |x| has bits amax_bits.
+inline float OuterScale(uint32_t amax_bits) {
+  const float big = (Float(amax_bits) / kE4M3Max) / 6.0f;
+  return big == 0.0f ? 1.0f : big;
+}
+
 // One element: scale, round, rescale.
 template <Kind K, bool kSR, bool kPrescale>
 inline float Element(float x, const Factors& f, uint32_t rbits, const Config& c) {
   float v = x * f.in1;
   if constexpr (K == kMxInt) v = v * f.in2;
   if constexpr (kPrescale) v = v * c.prescale;
-  if constexpr (K == kNvfp4) v = f.in1 > 0.0f ? v : 0.0f;
+  if constexpr (K == kNvfp4) v = f.in1 > 0.0f ? v : 0.0f;  // (kNvfp4Outer: x * 0 stays)
   const float a = Saturate(std::fabs(v), c.grid.max);
   float r;
   if constexpr (kSR) {
@@ -345,13 +382,21 @@ void MxFactorsOf(const uint32_t* __restrict m, int64_t n, const Grid& g, float o
 }
 
 template <Kind K>
-void FactorsOf(const uint32_t* m, int64_t n, const Config& c, float t, const Grid& e4m3,
-               FactorArrays& out) {
+void FactorsOf(const uint32_t* m, int64_t n, const Config& c, float t, const float* tile_t,
+               const Grid& e4m3, FactorArrays& out) {
   float* in1 = out.in1.data();
   float* in2 = out.in2.data();
   float* out1 = out.out1.data();
   float* out2 = out.out2.data();
-  if constexpr (K == kNvfp4) {
+  if constexpr (K == kNvfp4Outer) {
+    for (int64_t i = 0; i < n; ++i) {
+      const Factors f = DoubleBlockFactors(m[i], tile_t[i], e4m3);
+      in1[i] = f.in1;
+      in2[i] = f.in2;
+      out1[i] = f.out1;
+      out2[i] = f.out2;
+    }
+  } else if constexpr (K == kNvfp4) {
     for (int64_t i = 0; i < n; ++i) {
       const Factors f = Nvfp4Factors(m[i], t, e4m3);
       in1[i] = f.in1;
@@ -573,12 +618,14 @@ constexpr int64_t kStridedHadamardChunk = 32768;
 struct Layout {
   // Per batch element: x is [P, A, M, C, Q], tiles (block_a, block_c) over (A, C).
   int64_t P, A, A_pad, M, C, C_pad, Q, block_a, block_c, hadamard;
+  int64_t tensor_block = 0;  // double-block scales: the outer block along C (1-D blocks)
   // Derived.
   bool strided = false;   // Q > 1
   bool merged = false;    // rows walk over one row per batch element (1-D blocks, no padding)
   int64_t per_batch = 0;  // P * A * M * C * Q
   int64_t nab = 0;        // tile rows along A
-  int64_t group = 0;      // lcm(block_c, hadamard): C-extent aligned to both kinds of block
+  int64_t group = 0;      // lcm(block_c, hadamard, tensor_block): C-extent aligned to each
+  int64_t nbc = 0;        // tile columns along C (C_pad / block_c)
   int64_t ncg = 0;        // strided: bands along C
   int64_t row_len = 0;    // rows: floats per row
   int64_t nbands = 0;     // per batch element
@@ -595,9 +642,12 @@ struct Layout {
     strided = Q > 1;
     per_batch = P * A * M * C * Q;
     nab = (A + block_a - 1) / block_a;
+    nbc = C_pad / block_c;
     group = std::lcm(block_c, hadamard > 0 ? hadamard : int64_t{1});
+    if (tensor_block > 0) group = std::lcm(group, tensor_block);
     if (!strided) {
-      merged = block_a == 1 && C == C_pad;
+      // One row per batch element when rows hold whole blocks (and whole outer blocks).
+      merged = block_a == 1 && C == C_pad && (tensor_block == 0 || C % tensor_block == 0);
       row_len = merged ? per_batch : C;
       nbands = merged ? 1 : P * nab * M;
       seg = std::max(group, kRowsChunk / group * group);  // per row: block_a rows in L2
@@ -643,9 +693,10 @@ struct Scratch {
 };
 
 // One item's rows: `rows` pointers into x (in) and y (out), each with `n` floats, and the
-// stochastic-rounding index of each row's first element.
+// stochastic-rounding index of each row's first element. Strided: the rows are rc sub-rows
+// (along C) of each of rows / rc rows along A; rows walk: rc = 1.
 struct ItemRows {
-  int64_t batch, rows, n;
+  int64_t batch, rows, n, rc = 1;
 };
 
 ItemRows FillItem(const Layout& L, int64_t item, const float* x, float* y, Scratch& s) {
@@ -687,6 +738,7 @@ ItemRows FillItem(const Layout& L, int64_t item, const float* x, float* y, Scrat
   const int64_t a0 = ab * L.block_a, c0 = cg * L.group;
   const int64_t ra = std::min(L.block_a, L.A - a0), rc = std::min(L.group, L.C - c0);
   it.rows = ra * rc;
+  it.rc = rc;
   for (int64_t r = 0; r < ra; ++r) {
     const int64_t a = a0 + r;
     for (int64_t j = 0; j < rc; ++j) {
@@ -762,7 +814,8 @@ inline void QuantizeRow(const float* __restrict xr, float* __restrict yr, uint32
 template <Kind K, bool kSR, bool kPrescale, int kW>
 void QuantizeTiles(const float* const* in, float* const* out, const uint32_t* index,
                    int64_t rows, int64_t n, int64_t width, const Config& c,
-                   const RandomStream& stream, float t, const Grid& e4m3, Scratch& s) {
+                   const RandomStream& stream, float t, const float* tile_t, const Grid& e4m3,
+                   Scratch& s) {
   const int64_t w = kW > 0 ? kW : width;
   const int64_t full = n / w, rem = n - full * w, tiles = full + (rem > 0 ? 1 : 0);
   uint32_t* __restrict m = s.amax.data();
@@ -781,7 +834,7 @@ void QuantizeTiles(const float* const* in, float* const* out, const uint32_t* in
       if (rem > 0) m[full] = std::max(m[full], AbsMaxBits(in[r] + full * w, rem));
     }
   }
-  FactorsOf<K>(m, tiles, c, t, e4m3, s.fa);
+  FactorsOf<K>(m, tiles, c, t, tile_t, e4m3, s.fa);
   for (int64_t r = 0; r < rows; ++r) {
     QuantizeRow<K, kSR, kPrescale, kW>(in[r], out[r], index[r], n, w, s.fa.in1.data(),
                                    s.fa.in2.data(), s.fa.out1.data(), s.fa.out2.data(), c,
@@ -789,31 +842,444 @@ void QuantizeTiles(const float* const* in, float* const* out, const uint32_t* in
   }
 }
 
+// --------------------------------------------------------------------------------------------
+// The rules that need a block's elements together: Four Over Six (two candidates, the better
+// kept) and MS-EDEN (an EDEN factor from block sums, a tensor scale from every block).
+
+// lowbit.core.scales.block_sum of e[0, n), in place: while n is even, e[i] += e[i + n/2];
+// an odd n adds its elements left to right.
+inline float TreeSum(float* e, int64_t n) {
+  while (n > 1) {
+    if (n % 2) {
+      float acc = e[0];
+      for (int64_t i = 1; i < n; ++i) acc = acc + e[i];
+      return acc;
+    }
+    const int64_t h = n / 2;
+    for (int64_t i = 0; i < h; ++i) e[i] = e[i] + e[i + h];
+    n = h;
+  }
+  return e[0];
+}
+
+// block_sum over a (ba, bc) tile stored row-major in e (destroyed): the last in-block dim
+// (C) first, then A. `rs` holds ba floats.
+template <int kT>
+inline float TileSum(float* e, int64_t ba, int64_t bc, float* rs) {
+  if constexpr (kT == 16) {
+    for (int i = 0; i < 8; ++i) e[i] = e[i] + e[i + 8];
+    for (int i = 0; i < 4; ++i) e[i] = e[i] + e[i + 4];
+    for (int i = 0; i < 2; ++i) e[i] = e[i] + e[i + 2];
+    return e[0] + e[1];
+  } else {
+    if (ba == 1) return TreeSum(e, bc);
+    for (int64_t a = 0; a < ba; ++a) rs[a] = TreeSum(e + a * bc, bc);
+    return TreeSum(rs, ba);
+  }
+}
+
+// min(a, max) for a >= 0 or NaN, keeping NaN (jnp.minimum), where a NaN can reach a result.
+inline float SaturateNaN(float a, float max) { return a > max ? max : a; }
+
+// round_to_grid(v, elem, saturate=True), nearest-even, with v's sign.
+inline float RoundSigned(float v, const Grid& g) {
+  return WithSign<false>(RoundNearest(Saturate(std::fabs(v), g.max), g), v);
+}
+
+// The bfloat16 rounding (nearest even) of finite non-negative float32 v, as float32
+// (scales._bf16).
+inline float Bf16(float v) {
+  const uint32_t b = Bits(v);
+  return Float((b + 0x7FFFu + ((b >> 16) & 1u)) & ~0xFFFFu);
+}
+
+// scales._e4m3_stochastic: v >= 0 onto the E4M3 grid, the 20 dropped mantissa bits compared
+// with noise16 << 4 inside E4M3's normal range, nearest-even (saturating) elsewhere.
+inline float E4m3Stochastic(float v, uint32_t noise16, const Grid& e4m3) {
+  const uint32_t bits = Bits(v), mask = 0xFFFFFu;
+  const bool up = (bits & mask) > ((noise16 << 4) & mask);
+  const float dithered = Float(up ? (bits | mask) : (bits & ~mask));
+  const bool inside = v <= kE4M3Max && v >= 0x1p-6f;
+  return RoundNearest(SaturateNaN(inside ? dithered : v, kE4M3Max), e4m3);
+}
+
+// What the rules share across an item's tiles (per batch element, per call).
+struct RuleState {
+  // Four Over Six: the tensor amax and its (encode, decode) (scales.four_over_six_tensor_scales).
+  const float* tamax = nullptr;
+  const float* encode = nullptr;
+  const float* decode = nullptr;
+  // MS-EDEN: pass 1 writes each element's code (sign << 7 | 2|q|, block-major: block b's T
+  // codes at b * T) and each block's corrected scale s1 (NaN for a non-finite block, at its index in the
+  // per-block array), and each task's largest s1 per batch element; pass 2 reads them.
+  int pass = 1;
+  uint8_t* codes = nullptr;
+  float* s1 = nullptr;
+  int64_t blocks = 0;       // blocks per batch element
+  int64_t nbatch = 1;
+  float* s1_max = nullptr;  // [task][batch]
+  const float* ts = nullptr;      // per batch: max(s1) / 256
+  const float* inv_ts = nullptr;  // per batch: 1 / ts (0 where ts == 0)
+};
+
+// The tiles of one chunk, as QuantizeTiles sees them: rows walk, `rows` rows of n floats in
+// tiles of block_c; strided, rows = ra * rc sub-rows (rc along C of each of ra rows along A)
+// with one tile per column.
+struct Chunk {
+  const float* const* in;
+  float* const* out;
+  const uint32_t* index;
+  int64_t rows, rc, n;
+  bool strided;
+};
+
+// Per-worker buffers of the rules: a chunk's tiles tile-major (tile t's elements at
+// t * T, in-tile order a * block_c + c, zero-padded), in and out, and per tile element the
+// stochastic-rounding index of tile 0 (tile t adds t * step).
+struct RuleScratch {
+  std::vector<float> xb, yb, e6, e4, q6, q4, rs;
+  std::vector<uint32_t> rowbase;
+  explicit RuleScratch(const Layout& L) {
+    const int64_t T = L.block_a * L.block_c;
+    const int64_t cap = L.strided ? L.seg * T : ((L.seg + L.block_c - 1) / L.block_c + 1) * T;
+    xb.resize(cap);
+    yb.resize(cap);
+    for (auto* v : {&e6, &e4, &q6, &q4}) v->resize(T);
+    rs.resize(L.block_a);
+    rowbase.resize(T);
+  }
+};
+
+inline int64_t TilesOf(const Layout& L, const Chunk& ch) {
+  return ch.strided ? ch.n : (ch.n + L.block_c - 1) / L.block_c;
+}
+
+// Whether a chunk's tiles are its one row as it lies (1-D blocks, whole tiles): then the
+// tile-major buffers are the input and output rows themselves.
+inline bool Direct(const Layout& L, const Chunk& ch) {
+  return !ch.strided && L.block_a == 1 && ch.n % L.block_c == 0;
+}
+
+// The chunk's tiles into rs.xb (unless Direct) and the random-bit indices; returns the step.
+inline uint32_t GatherChunk(const Layout& L, const Chunk& ch, int64_t tiles, RuleScratch& rs) {
+  const int64_t ba = L.block_a, bc = L.block_c, T = ba * bc;
+  float* __restrict xb = rs.xb.data();
+  uint32_t* rb = rs.rowbase.data();
+  std::fill(rb, rb + T, 0u);
+  if (!ch.strided) {
+    for (int64_t a = 0; a < std::min(ba, ch.rows); ++a) {
+      for (int64_t j = 0; j < bc; ++j) rb[a * bc + j] = ch.index[a] + uint32_t(j);
+    }
+    if (Direct(L, ch)) return uint32_t(bc);
+    std::fill(xb, xb + tiles * T, 0.0f);
+    for (int64_t a = 0; a < std::min(ba, ch.rows); ++a) {
+      const float* __restrict src = ch.in[a];
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t w = std::min(bc, ch.n - t * bc);
+        for (int64_t j = 0; j < w; ++j) xb[t * T + a * bc + j] = src[t * bc + j];
+      }
+    }
+    return uint32_t(bc);
+  }
+  std::fill(xb, xb + tiles * T, 0.0f);
+  for (int64_t r = 0; r < ch.rows; ++r) {
+    const int64_t k = (r / ch.rc) * bc + r % ch.rc;
+    rb[k] = ch.index[r];
+    const float* __restrict src = ch.in[r];
+    for (int64_t t = 0; t < tiles; ++t) xb[t * T + k] = src[t];
+  }
+  return 1u;
+}
+
+// rs.yb (unless Direct) back to the chunk's outputs.
+inline void ScatterChunk(const Layout& L, const Chunk& ch, int64_t tiles, const RuleScratch& rs) {
+  const int64_t ba = L.block_a, bc = L.block_c, T = ba * bc;
+  const float* __restrict yb = rs.yb.data();
+  if (!ch.strided) {
+    if (Direct(L, ch)) return;
+    for (int64_t a = 0; a < std::min(ba, ch.rows); ++a) {
+      float* __restrict dst = ch.out[a];
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t w = std::min(bc, ch.n - t * bc);
+        for (int64_t j = 0; j < w; ++j) dst[t * bc + j] = yb[t * T + a * bc + j];
+      }
+    }
+    return;
+  }
+  for (int64_t r = 0; r < ch.rows; ++r) {
+    const int64_t k = (r / ch.rc) * bc + r % ch.rc;
+    float* __restrict dst = ch.out[r];
+    for (int64_t t = 0; t < tiles; ++t) dst[t] = yb[t * T + k];
+  }
+}
+
+// One Four Over Six candidate of a tile (scales.four_over_six): its scale s from the unrounded
+// hp, its elements q and each element's error term; returns s.
+template <bool kSR, bool kPrescale, int kT>
+inline float FourOverSixCandidate(const float* __restrict xt, const uint32_t* __restrict rb,
+                                  uint32_t off, int64_t T_, float hp, float decode, float tamax,
+                                  bool four, const Config& c, const Grid& e4m3,
+                                  const RandomStream& st, float* __restrict q,
+                                  float* __restrict e) {
+  const int64_t T = kT > 0 ? kT : T_;
+  const float s = RoundNearest(SaturateNaN(hp, kE4M3Max), e4m3);
+  const bool nz = s > 0.0f;
+  const float r = nz ? 1.0f / (decode * (nz ? s : 1.0f)) : 0.0f;
+  const float big = c.grid.max * 256.0f;  // 6 * FOUR_OVER_SIX_E4M3_BOUND = 1536
+  const bool mse = c.metric == kMse;
+  const Grid g = c.grid;
+  const float prescale = c.prescale;
+  for (int64_t j = 0; j < T; ++j) {
+    float v = xt[j] * r;
+    if constexpr (kPrescale) v = v * prescale;
+    v = nz ? v : 0.0f;
+    const float a = Saturate(std::fabs(v), g.max);
+    float rq;
+    if constexpr (kSR) {
+      uint32_t rbits = st(rb[j] + off);
+      if (four) rbits = Fmix32(rbits ^ 0x5BD1E995u);
+      rq = RoundStochastic(a, rbits, g);
+    } else {
+      rq = RoundNearest(a, g);
+    }
+    const float qj = WithSign<false>(rq, v);
+    float deq = ((qj * s) * tamax) / big;
+    if constexpr (kPrescale) deq = deq / prescale;
+    const float d = deq - xt[j];
+    q[j] = qj;
+    e[j] = mse ? d * d : std::fabs(d);
+  }
+  return s;
+}
+
+template <int kT>
+inline float BlockError(float* e, int64_t ba, int64_t bc, Metric metric, float* rs) {
+  if (metric == kMaxError) {
+    const int64_t T = kT > 0 ? kT : ba * bc;
+    float m = e[0];
+    for (int64_t j = 1; j < T; ++j) m = (e[j] > m || e[j] != e[j]) ? e[j] : m;
+    return m;
+  }
+  return TileSum<kT>(e, ba, bc, rs);
+}
+
+template <bool kSR, bool kPrescale, int kT>
+void FourOverSixTiles(const Layout& L, const Chunk& ch, const Config& c, const Grid& e4m3,
+                      const RandomStream& st, float tamax, float encode, float decode,
+                      RuleScratch& rs) {
+  const int64_t ba = L.block_a, bc = L.block_c, T = kT > 0 ? kT : ba * bc;
+  const int64_t tiles = TilesOf(L, ch);
+  const uint32_t step = GatherChunk(L, ch, tiles, rs);
+  const bool direct = Direct(L, ch);
+  const float* xb = direct ? ch.in[0] : rs.xb.data();
+  float* yb = direct ? ch.out[0] : rs.yb.data();
+  for (int64_t t = 0; t < tiles; ++t) {
+    const float* __restrict xt = xb + t * T;
+    float* __restrict yt = yb + t * T;
+    uint32_t m = 0;
+    for (int64_t j = 0; j < T; ++j) m = std::max(m, Bits(xt[j]) & kAbsMask);
+    const bool finite = m < kInfBits;
+    const float hp6 = (Float(m) / c.grid.max) * encode;
+    const float hp4 = hp6 * (1.5f + hp6 * 0.0f);
+    const uint32_t off = uint32_t(t) * step;
+    const float s6 = FourOverSixCandidate<kSR, kPrescale, kT>(
+        xt, rs.rowbase.data(), off, T, hp6, decode, tamax, false, c, e4m3, st, rs.q6.data(),
+        rs.e6.data());
+    const float s4 = FourOverSixCandidate<kSR, kPrescale, kT>(
+        xt, rs.rowbase.data(), off, T, hp4, decode, tamax, true, c, e4m3, st, rs.q4.data(),
+        rs.e4.data());
+    const float err6 = BlockError<kT>(rs.e6.data(), ba, bc, c.metric, rs.rs.data());
+    const float err4 = BlockError<kT>(rs.e4.data(), ba, bc, c.metric, rs.rs.data());
+    const bool pick4 = err4 < err6;
+    const float* __restrict q = pick4 ? rs.q4.data() : rs.q6.data();
+    const float s = finite ? (pick4 ? s4 : s6) : NAN;
+    for (int64_t j = 0; j < T; ++j) {
+      float y = (q[j] * s) * decode;
+      if constexpr (kPrescale) y = y / c.prescale;
+      yt[j] = y;
+    }
+  }
+  ScatterChunk(L, ch, tiles, rs);
+}
+
+// The index of the block holding the element with padded flat index e, in the per-block
+// array (the blocked shape with its in-block dims of size 1, as qarray._eden_blocks draws).
+inline int64_t BlockOf(const Layout& L, uint32_t e) {
+  int64_t t = e;
+  const int64_t q = t % L.Q;
+  t /= L.Q;
+  const int64_t cc = t % L.C_pad;
+  t /= L.C_pad;
+  const int64_t m = t % L.M;
+  t /= L.M;
+  const int64_t a = t % L.A_pad, p = t / L.A_pad;
+  return (((p * L.nab + a / L.block_a) * L.M + m) * L.nbc + cc / L.block_c) * L.Q + q;
+}
+
+// MS-EDEN's pass 1 over a chunk's tiles (scales.ms_eden_blocks): each tile's codes (at its
+// block index times T) and corrected scale s1; returns the largest s1.
+template <int kT>
+float EdenBlocks(const Layout& L, const Chunk& ch, int64_t batch, const Config& c,
+                 RuleState& R, RuleScratch& rs) {
+  const int64_t ba = L.block_a, bc = L.block_c, T = kT > 0 ? kT : ba * bc;
+  const int64_t tiles = TilesOf(L, ch);
+  const int64_t block0 = batch * R.blocks + BlockOf(L, ch.index[0]);
+  GatherChunk(L, ch, tiles, rs);
+  const float* xb = Direct(L, ch) ? ch.in[0] : rs.xb.data();
+  float* __restrict uu = rs.e6.data();
+  float* __restrict uq = rs.e4.data();
+  const Grid g = c.grid;
+  float best = 0.0f;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const float* __restrict xt = xb + t * T;
+    uint8_t* __restrict code = R.codes + (block0 + t) * T;
+    uint32_t m = 0;
+    for (int64_t j = 0; j < T; ++j) m = std::max(m, Bits(xt[j]) & kAbsMask);
+    const bool finite = m < kInfBits;
+    const float s0 = Float(Bits(Float(m) * c.eden_inv_fp4_max) & 0xFFF80000u);
+    const bool live = s0 > 0.0f;
+    const float inv0 = live ? 1.0f / (live ? s0 : 1.0f) : 0.0f;
+    for (int64_t j = 0; j < T; ++j) {
+      const float u = xt[j] * inv0;
+      const float qj = RoundSigned(u, g);
+      uu[j] = u * u;
+      uq[j] = u * qj;
+      code[j] = uint8_t(int32_t(std::fabs(qj) * 2.0f)) | uint8_t((Bits(qj) >> 24) & 0x80u);
+    }
+    const float xx = TileSum<kT>(uu, ba, bc, rs.rs.data());
+    const float xy = TileSum<kT>(uq, ba, bc, rs.rs.data());
+    const bool nz = xy != 0.0f;
+    const float cf = nz ? xx * (1.0f / (nz ? xy : 1.0f)) : 1.0f;
+    const float s1 = finite ? Bf16(s0 * cf) : 0.0f;
+    best = std::max(best, s1);
+    R.s1[block0 + t] = finite ? s1 : NAN;
+  }
+  return best;
+}
+
+// An element's value from its MS-EDEN code (sign << 7 | 2 |q|).
+inline float EdenElement(uint8_t code) {
+  return Float(Bits(float(code & 0x7Fu) * 0.5f) | (uint32_t(code & 0x80u) << 24));
+}
+
+// MS-EDEN's pass 2 over a chunk's tiles (scales.ms_eden_scales): each block's scale s1 / ts
+// rounded stochastically onto E4M3 with 16 random bits of its index, values (q * s) * ts.
+template <int kT>
+void EdenValues(const Layout& L, const Chunk& ch, int64_t batch, const Grid& e4m3,
+                const RandomStream& st, const RuleState& R, RuleScratch& rs) {
+  const int64_t T = kT > 0 ? kT : L.block_a * L.block_c;
+  const int64_t tiles = TilesOf(L, ch);
+  const int64_t b0 = BlockOf(L, ch.index[0]);
+  const float ts = R.ts[batch], inv = R.inv_ts[batch];
+  float* yb = Direct(L, ch) ? ch.out[0] : rs.yb.data();
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t block = batch * R.blocks + b0 + t;
+    const float sv = R.s1[block];
+    const bool finite = sv == sv;
+    const float s1 = finite ? sv : 0.0f;
+    const float sr = E4m3Stochastic(s1 * inv, st(uint32_t(b0 + t)) >> 16, e4m3);
+    const float s = finite ? sr : NAN;
+    const uint8_t* __restrict code = R.codes + block * T;
+    float* __restrict yt = yb + t * T;
+    for (int64_t j = 0; j < T; ++j) yt[j] = (EdenElement(code[j]) * s) * ts;
+  }
+  ScatterChunk(L, ch, tiles, rs);
+}
+
 // Items [i0, i1): transform (with a Hadamard block), then quantize into y.
 template <Kind K, bool kSR, bool kPrescale, int kW>
 void QuantizeItems(int64_t i0, int64_t i1, const Layout& L, const Hadamard& h, const float* x,
                    float* y, const Config& c, const RandomStream* streams,
-                   const float* tensor_scales, const Grid& e4m3) {
+                   const float* tensor_scales, const Grid& e4m3, RuleState* R, int64_t task) {
   Scratch s(L);
+  const Rule rule = c.rule;
+  std::unique_ptr<RuleScratch> rs;
+  if (rule == kFourOverSix || rule == kEden) rs = std::make_unique<RuleScratch>(L);
+  std::vector<float> tile_t, outer;
+  std::vector<uint32_t> omax;
+  const bool eden2 = rule == kEden && R->pass == 2;
+  const int64_t T = L.block_a * L.block_c;
   for (int64_t item = i0; item < i1; ++item) {
     const ItemRows it = FillItem(L, item, x, y, s);
     const RandomStream& stream = streams[it.batch];
     const float t = tensor_scales[it.batch];
-    if (L.hadamard == 0) {
-      QuantizeTiles<K, kSR, kPrescale, kW>(s.in.data(), s.out.data(), s.index.data(), it.rows, it.n,
-                                       L.strided ? 1 : L.block_c, c, stream, t, e4m3, s);
-      continue;
+    const float* const* in = s.in.data();
+    int64_t rows = it.rows;
+    if (L.hadamard != 0 && !eden2) {
+      TransformItem(L, h, it, s);
+      in = s.buf_rows.data();
+      if (!L.strided) rows = 1;
     }
-    TransformItem(L, h, it, s);
-    if (!L.strided) {
-      QuantizeTiles<K, kSR, kPrescale, kW>(s.buf_rows.data(), s.out.data(), s.index.data(), 1,
-                                       it.n, L.block_c, c, stream, t, e4m3, s);
-      continue;
+    // Double-block: the outer scale of each tile (rows walk) or of each outer block's columns
+    // (strided), from the finite maxima of the outer blocks.
+    if (rule == kDoubleBlock) {
+      const int64_t tb = L.tensor_block, bc = L.block_c;
+      if (!L.strided) {
+        const int64_t tiles = (it.n + bc - 1) / bc, no = (it.n + tb - 1) / tb;
+        tile_t.resize(tiles);
+        outer.resize(no);
+        for (int64_t j = 0; j < no; ++j) {
+          outer[j] = OuterScale(FiniteAbsMaxBits(in[0] + j * tb, std::min(tb, it.n - j * tb)));
+        }
+        for (int64_t k = 0; k < tiles; ++k) tile_t[k] = outer[k * bc / tb];
+      } else {
+        const int64_t no = (it.rows + tb - 1) / tb;
+        tile_t.resize(no * it.n);
+        omax.resize(it.n);
+        for (int64_t j = 0; j < no; ++j) {
+          std::fill(omax.begin(), omax.end(), 0u);
+          for (int64_t r = j * tb; r < std::min(it.rows, (j + 1) * tb); ++r) {
+            const float* __restrict xr = in[r];
+            for (int64_t k = 0; k < it.n; ++k) {
+              const uint32_t a = Bits(xr[k]) & kAbsMask;
+              omax[k] = std::max(omax[k], a & (0u - uint32_t(a < kInfBits)));
+            }
+          }
+          for (int64_t k = 0; k < it.n; ++k) tile_t[j * it.n + k] = OuterScale(omax[k]);
+        }
+      }
     }
-    for (int64_t k = 0; k < it.rows; k += L.block_c) {
-      QuantizeTiles<K, kSR, kPrescale, kW>(s.buf_rows.data() + k, s.out.data() + k,
-                                       s.index.data() + k, std::min(L.block_c, it.rows - k),
-                                       it.n, 1, c, stream, t, e4m3, s);
+    auto chunk = [&](int64_t k, int64_t crows, int64_t rc) {
+      const Chunk ch{in + k, s.out.data() + k, s.index.data() + k, crows, rc, it.n, L.strided};
+      switch (rule) {
+        case kFourOverSix:
+          if (T == 16) {
+            FourOverSixTiles<kSR, kPrescale, 16>(L, ch, c, e4m3, stream, R->tamax[it.batch],
+                                                 R->encode[it.batch], R->decode[it.batch], *rs);
+          } else {
+            FourOverSixTiles<kSR, kPrescale, 0>(L, ch, c, e4m3, stream, R->tamax[it.batch],
+                                                R->encode[it.batch], R->decode[it.batch], *rs);
+          }
+          return;
+        case kEden:
+          if (eden2) {
+            if (T == 16) {
+              EdenValues<16>(L, ch, it.batch, e4m3, stream, *R, *rs);
+            } else {
+              EdenValues<0>(L, ch, it.batch, e4m3, stream, *R, *rs);
+            }
+          } else {
+            float& best = R->s1_max[task * R->nbatch + it.batch];
+            best = std::max(best, T == 16 ? EdenBlocks<16>(L, ch, it.batch, c, *R, *rs)
+                                          : EdenBlocks<0>(L, ch, it.batch, c, *R, *rs));
+          }
+          return;
+        default: {
+          const float* tt = nullptr;
+          if (rule == kDoubleBlock) tt = tile_t.data() + (L.strided ? (k / L.tensor_block) * it.n : 0);
+          QuantizeTiles<K, kSR, kPrescale, kW>(ch.in, ch.out, ch.index, crows, it.n,
+                                               L.strided ? 1 : L.block_c, c, stream, t, tt,
+                                               e4m3, s);
+        }
+      }
+    };
+    if (!L.strided || L.group == L.block_c) {
+      chunk(0, rows, it.rc);
+    } else {  // 1-D blocks under a longer group (Hadamard, outer blocks): one tile per column
+      for (int64_t k = 0; k < it.rows; k += L.block_c) {
+        const int64_t crows = std::min(L.block_c, it.rows - k);
+        chunk(k, crows, crows);
+      }
     }
   }
 }
@@ -845,23 +1311,49 @@ void RunItems(ffi::ThreadPool& pool, int64_t items, int64_t elements, const F& t
 template <Kind K, bool kSR, bool kPrescale>
 void Dispatch(ffi::ThreadPool& pool, const Layout& L, const Hadamard& h, int64_t nbatch,
               const float* x, float* y, const Config& c, const RandomStream* streams,
-              const float* tensor_scales, const Grid& e4m3) {
+              const float* tensor_scales, const Grid& e4m3, RuleState* R) {
+  const int64_t items = nbatch * L.Items(), elements = nbatch * L.per_batch;
   auto run = [&](auto width) {
-    RunItems(pool, nbatch * L.Items(), nbatch * L.per_batch,
-             [&](int64_t i0, int64_t i1, int64_t) {
-               QuantizeItems<K, kSR, kPrescale, decltype(width)::value>(i0, i1, L, h, x, y, c,
-                                                                  streams, tensor_scales, e4m3);
-             });
+    RunItems(pool, items, elements, [&](int64_t i0, int64_t i1, int64_t k) {
+      QuantizeItems<K, kSR, kPrescale, decltype(width)::value>(i0, i1, L, h, x, y, c, streams,
+                                                               tensor_scales, e4m3, R, k);
+    });
   };
-  if (L.strided) {
-    run(std::integral_constant<int, 1>{});
-  } else if (L.block_c == 32) {
-    run(std::integral_constant<int, 32>{});
-  } else if (L.block_c == 16) {
-    run(std::integral_constant<int, 16>{});
-  } else {
-    run(std::integral_constant<int, 0>{});
+  auto pass = [&] {
+    if (L.strided) {
+      run(std::integral_constant<int, 1>{});
+    } else if (L.block_c == 32) {
+      run(std::integral_constant<int, 32>{});
+    } else if (L.block_c == 16) {
+      run(std::integral_constant<int, 16>{});
+    } else {
+      run(std::integral_constant<int, 0>{});
+    }
+  };
+  if (c.rule != kEden) {
+    pass();
+    return;
   }
+  // MS-EDEN: pass 1 (codes, corrected scales, their maxima per task), the tensor scales
+  // ts = max(s1) * (1 / 256) and 1 / ts, pass 2 (values).
+  const int64_t tasks = TasksOf(pool, items, elements);
+  std::vector<float> maxima(tasks * nbatch, 0.0f), ts(nbatch), inv(nbatch);
+  R->s1_max = maxima.data();
+  R->pass = 1;
+  pass();
+  {
+    FlushDenormals ftz;
+    for (int64_t b = 0; b < nbatch; ++b) {
+      float m = 0.0f;
+      for (int64_t k = 0; k < tasks; ++k) m = std::max(m, maxima[k * nbatch + b]);
+      ts[b] = m * (1.0f / 256.0f);
+      inv[b] = ts[b] > 0.0f ? 1.0f / ts[b] : 0.0f;
+    }
+  }
+  R->ts = ts.data();
+  R->inv_ts = inv.data();
+  R->pass = 2;
+  pass();
 }
 
 // The NVFP4 tensor amax of each batch element: the largest finite |x| (NaN and Inf ignored),
@@ -910,7 +1402,8 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::F32> signs, ffi::ResultBuffer<ffi::F32> y,
                             int32_t kind, int32_t scale_mode, int32_t mbits, int32_t emin,
                             int32_t emax, float max, float oas_c, float prescale,
-                            int32_t stochastic,
+                            int32_t stochastic, int32_t rule, int32_t metric,
+                            int64_t tensor_block, float eden_inv_fp4_max,
                             int32_t has_tensor_amax, int64_t outer, int64_t a_len,
                             int64_t a_pad, int64_t mid, int64_t c_len, int64_t c_pad,
                             int64_t inner, int64_t block_a, int64_t block_c, int32_t hadamard,
@@ -920,7 +1413,18 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (kind < kMxFloat || kind > kNvfp4 || scale_mode < kFloor || scale_mode > kOas) {
     return Invalid("bad kind or scale_mode");
   }
+  if (rule < kPlainRule || rule > kEden || metric < kMse || metric > kMaxError ||
+      (rule != kPlainRule && kind != kNvfp4)) {
+    return Invalid("bad rule or metric (the rules are NVFP4's)");
+  }
+  if (rule == kDoubleBlock &&
+      (block_a != 1 || tensor_block < block_c || tensor_block % block_c != 0)) {
+    return Invalid("double-block scales need 1-D blocks and an outer block (" +
+                   std::to_string(tensor_block) + ") that is a multiple of the block (" +
+                   std::to_string(block_c) + ")");
+  }
   Layout L{outer, a_len, a_pad, mid, c_len, c_pad, inner, block_a, block_c, hadamard};
+  L.tensor_block = rule == kDoubleBlock ? tensor_block : 0;
   if (std::min({outer, a_len, mid, c_len, inner, block_a, block_c}) < 1 ||
       a_pad % block_a != 0 || a_pad < a_len || a_pad - a_len >= block_a ||
       c_pad % block_c != 0 || c_pad < c_len || c_pad - c_len >= block_c) {
@@ -956,6 +1460,10 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
            prescale != 1.0f,
            stochastic != 0,
            has_tensor_amax != 0};
+  c.rule = static_cast<Rule>(rule);
+  c.metric = static_cast<Metric>(metric);
+  c.tensor_block = L.tensor_block;
+  c.eden_inv_fp4_max = eden_inv_fp4_max;
   const Grid e4m3(3, -6, 8, kE4M3Max);
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
@@ -965,24 +1473,47 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   h.scale = hadamard_scale;
 
   std::vector<RandomStream> streams(nbatch);
-  if (c.stochastic) {
+  if (c.stochastic || c.rule == kEden) {
     for (int64_t b = 0; b < nbatch; ++b) streams[b] = StreamOf(key.typed_data() + 2 * b);
   }
-  std::vector<float> tensor_scales(nbatch, 0.0f);
-  if (c.kind == kNvfp4) {
+  std::vector<float> tensor_scales(nbatch, 0.0f), tamaxes(nbatch), encode(nbatch),
+      decode(nbatch);
+  RuleState R;
+  R.nbatch = nbatch;
+  if (c.kind == kNvfp4 && (c.rule == kPlainRule || c.rule == kFourOverSix)) {
     std::vector<uint32_t> tamax_bits;
     if (!c.has_tensor_amax) tamax_bits = TensorAmax(pool, L, h, nbatch, xp);
     FlushDenormals ftz;
     for (int64_t b = 0; b < nbatch; ++b) {
       const float tamax = c.has_tensor_amax ? tensor_amax.typed_data()[b] : Float(tamax_bits[b]);
       tensor_scales[b] = tamax / kNvfp4TensorDivisor;
+      // scales.four_over_six_tensor_scales: encode = 1536 / tamax, decode = 1 / encode, both
+      // 0 where tamax is 0 or encode overflows.
+      bool live = tamax > 0.0f;
+      const float enc = (c.grid.max * 256.0f) / (live ? tamax : 1.0f);
+      live = live && std::isfinite(enc);
+      tamaxes[b] = tamax;
+      encode[b] = live ? enc : 0.0f;
+      decode[b] = live ? 1.0f / enc : 0.0f;
     }
+  }
+  R.tamax = tamaxes.data();
+  R.encode = encode.data();
+  R.decode = decode.data();
+  std::unique_ptr<uint8_t[]> codes;
+  std::unique_ptr<float[]> s1;
+  if (c.rule == kEden) {
+    R.blocks = L.P * L.nab * L.M * L.nbc * L.Q;
+    codes.reset(new uint8_t[nbatch * R.blocks * block_a * block_c]);
+    s1.reset(new float[nbatch * R.blocks]);
+    R.codes = codes.get();
+    R.s1 = s1.get();
   }
 
   // The runtime kind, rounding and prescale pick one of the compiled instantiations.
   auto run = [&](auto kind, auto sr, auto prescale) {
     Dispatch<decltype(kind)::value, decltype(sr)::value, decltype(prescale)::value>(
-        pool, L, h, nbatch, xp, yp, c, streams.data(), tensor_scales.data(), e4m3);
+        pool, L, h, nbatch, xp, yp, c, streams.data(), tensor_scales.data(), e4m3, &R);
   };
   auto with_prescale = [&](auto kind, auto sr) {
     c.has_prescale ? run(kind, sr, std::true_type{}) : run(kind, sr, std::false_type{});
@@ -995,7 +1526,11 @@ ffi::Error FakeQuantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       with_rounding(std::integral_constant<Kind, kMxInt>{});
       break;
     case kNvfp4:
-      with_rounding(std::integral_constant<Kind, kNvfp4>{});
+      if (c.rule == kDoubleBlock) {
+        with_rounding(std::integral_constant<Kind, kNvfp4Outer>{});
+      } else {
+        with_rounding(std::integral_constant<Kind, kNvfp4>{});
+      }
       break;
     default:
       with_rounding(std::integral_constant<Kind, kMxFloat>{});
@@ -1022,6 +1557,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowbitFakeQuantize, FakeQuantizeImpl,
                                   .Attr<float>("oas_c")
                                   .Attr<float>("prescale")
                                   .Attr<int32_t>("stochastic")
+                                  .Attr<int32_t>("rule")
+                                  .Attr<int32_t>("metric")
+                                  .Attr<int64_t>("tensor_block")
+                                  .Attr<float>("eden_inv_fp4_max")
                                   .Attr<int32_t>("has_tensor_amax")
                                   .Attr<int64_t>("outer")
                                   .Attr<int64_t>("a_len")
