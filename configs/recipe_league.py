@@ -71,7 +71,12 @@ OUTCTL = (
     f"quant.out_control=0.1 quant.out_control_start={_steps(501)} "
     f"quant.out_control_steps={_steps(50)} quant.out_control_multiple=32"
 )
+# FP4 All the Way is its recipe plus its schedule (configs/gpt.py adds the same for
+# recipe=fp4_all_the_way; the league builds runs from the base config, so it says it here): QAF
+# (qat_nvfp4) once the gradient norm falls below sqrt(3) times the backward's quantization noise.
+FP4ATW = "quant.switch_to=qat_nvfp4 quant.switch_criterion=grad_noise"
 DEFINITIONS = (
+    f"fp4_all_the_way=fp4_all_the_way {FP4ATW}",
     f"tetrajet2+osci=tetrajet2 {OSCI}",
     f"tetrajet2+outctl=tetrajet2 {OUTCTL}",
     f"tetrajet2+both=tetrajet2 {OSCI} {OUTCTL}",

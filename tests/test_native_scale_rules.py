@@ -357,3 +357,21 @@ def test_supports_takes_the_rules():
     assert int(native.plan_attributes(plan(tensor_block=64))["tensor_block"]) == 64
     eden = native.plan_attributes(plan(rounding="eden"))
     assert int(eden["rule"]) == 3 and float(eden["eden_inv_fp4_max"]) > 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("mag", [1e-30, 1e-33, 3e-34])
+def test_a_subnormal_double_block_product_quantizes_to_zero_everywhere(mag):
+    # an outer block of values near 1e-33 has S ~ 1e-36; an all-zero block in it gets
+    # s = 2**-9, and S * s is a float32 subnormal: counted as 0 (XLA:CPU would flush it and
+    # 1 / 0 made the elements NaN), so those elements are 0 and nothing is NaN
+    x = np.zeros((4, 256), np.float32)
+    x[0] = np.random.default_rng(0).standard_normal(256).astype(np.float32) * np.float32(mag)
+    x[0, 16:32] = 0
+    x[1] = np.random.default_rng(1).standard_normal(256)
+    want, got = both(lambda a: lb.fake_quantize(a, "nvfp4", tensor_block=128), jnp.asarray(x))
+    assert_identical(want, got)
+    assert not np.isnan(np.asarray(want)).any()
+    np.testing.assert_array_equal(np.asarray(want)[0, 16:32], 0)
+    deq = lb.dequantize(lb.quantize(jnp.asarray(x), "nvfp4", tensor_block=128))
+    assert_identical(want, deq)

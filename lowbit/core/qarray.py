@@ -449,8 +449,12 @@ def _double_block(xb, plan: Plan, amax_bits, finite, rbits, want_clip):
     amax = lax.bitcast_convert_type(jnp.where(finite, amax_bits, 0), jnp.float32)
     s_raw = ieee_div(ieee_div(amax, big), np.float32(elem.max))
     s = round_to_grid(jnp.where(s_raw == 0, np.float32(2.0**-9), s_raw), E4M3, saturate=True)
-    live = s > 0
-    r = jnp.where(live, ieee_div(np.float32(1.0), big * jnp.where(live, s, 1.0)), 0.0)
+    # big * s can be a float32 subnormal (an outer block of values near 1e-30 holding an
+    # all-zero block): every implementation counts it as 0 (XLA:CPU flushes it, and 1 / 0
+    # would make the elements NaN), so those elements quantize to 0
+    prod = big * s
+    live = prod >= np.float32(2.0**-126)
+    r = jnp.where(live, ieee_div(np.float32(1.0), jnp.where(live, prod, 1.0)), 0.0)
     (r,) = materialize(r)
     v = xb * r
     if plan.prescale != 1.0:

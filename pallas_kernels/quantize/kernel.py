@@ -303,9 +303,10 @@ def _double_block_tile(xb, abits, amax, finite, elem, k, div):
     amax = jnp.where(finite, amax, np.float32(0))
     s_raw = div(div(amax, big_b), np.float32(elem.max))
     s = nx.round_to_grid(jnp.where(s_raw == 0, np.float32(2.0**-9), s_raw), E4M3, saturate=True)
-    live = s > 0
+    prod = big_b * s  # a subnormal product counts as 0, as in qarray._double_block
+    live = prod >= np.float32(2.0**-126)
     r = jnp.where(live, div(jnp.full(s.shape, 1.0, jnp.float32),
-                            big_b * jnp.where(live, s, 1.0)), 0.0)
+                            jnp.where(live, prod, 1.0)), 0.0)
     return xb * r, s, big
 
 

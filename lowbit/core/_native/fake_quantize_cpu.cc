@@ -260,7 +260,7 @@ __attribute__((always_inline)) inline Factors Nvfp4Factors(uint32_t amax_bits, f
 // The double-block factors of qarray._double_block for a block with maxima bits amax_bits
 // under the outer scale big = (amax_outer / 448) / 6 (1 where that is 0): s = E4M3((amax / big)
 // / 6) (2**-9 where that quotient is 0; amax counts as 0 in a non-finite block), saturating;
-// r = 1 / (big * s) (0 where s == 0); values (q * s) * big.
+// r = 1 / (big * s) (0 where that product is below FLT_MIN); values (q * s) * big.
 __attribute__((always_inline)) inline Factors DoubleBlockFactors(uint32_t amax_bits, float big,
                                                              const Grid& e4m3) {
   Factors f;
@@ -268,7 +268,8 @@ __attribute__((always_inline)) inline Factors DoubleBlockFactors(uint32_t amax_b
   const float amax = f.finite ? Float(amax_bits) : 0.0f;
   const float s_raw = (amax / big) / 6.0f;
   const float s = RoundNearest(Saturate(s_raw == 0.0f ? 0x1p-9f : s_raw, kE4M3Max), e4m3);
-  f.in1 = s > 0.0f ? 1.0f / (big * s) : 0.0f;
+  const float prod = big * s;  // below FLT_MIN counts as 0, as in qarray._double_block
+  f.in1 = prod >= 0x1p-126f ? 1.0f / prod : 0.0f;
   f.in2 = 1.0f;
   f.out1 = f.finite ? s : NAN;
   f.out2 = big;
