@@ -59,6 +59,7 @@ __all__ = [
     "pareto_front",
     "interpolated_loss",
     "size_configs",
+    "study_seeds",
     "run_study",
     "render_markdown",
     "plot",
@@ -204,8 +205,9 @@ def _list(c, key: str) -> list[str]:
     return items
 
 
-def _seeds(c, size: str | None = None) -> list[int]:
-    """The study's seeds, or ``size``'s own (``config.size_seeds.<size>``, when set)."""
+def study_seeds(c, size: str | None = None) -> list[int]:
+    """The study's seeds (``config.seeds``), or ``size``'s own (``config.size_seeds.<size>``,
+    when set); a clear error for an empty or non-integer list."""
     key, value = "seeds", c.seeds
     per_size = c.get("size_seeds") or {}
     if size is not None and per_size.get(size):
@@ -294,12 +296,12 @@ def _weight_format(recipe: str) -> tuple[str, float]:
 def run_study(c, *, log: Callable[[str], None] = print) -> dict:
     """Train (or reuse) every run of the ConfigDict ``c`` (``configs/pareto.py``) and measure
     the points and the front; returns the results written to ``pareto_*.json``."""
-    seeds, recipes = _seeds(c), _recipes(c)
+    seeds, recipes = study_seeds(c), _recipes(c)
     sized = size_configs(c)  # everything validated before any training
     unknown = sorted(set(c.get("size_seeds") or {}) - set(sized))
     if unknown:
         raise ConfigError(f"config.size_seeds: {unknown} are not sizes of the study")
-    seeds_of = {size: _seeds(c, size) for size in sized}
+    seeds_of = {size: study_seeds(c, size) for size in sized}
     if BASELINE not in recipes:
         log(f"note: {BASELINE!r} is not among the recipes; gaps are left blank")
     t0 = time.perf_counter()

@@ -368,22 +368,6 @@ def claims(sizes: dict[str, list[dict]], which: Sequence[Claim] = CLAIMS) -> lis
 # The study
 
 
-def _seeds(c, size: str) -> list[int]:
-    """``config.size_seeds.<size>`` when set, else ``config.seeds``. (The rule of
-    ``experiments.pareto``'s private ``_seeds``, which should become public.)"""
-    key, value = "seeds", c.seeds
-    if (c.get("size_seeds") or {}).get(size):
-        key, value = f"size_seeds.{size}", c.size_seeds[size]
-    items = list(dict.fromkeys(split_list(value)))
-    try:
-        seeds = [int(s) for s in items]
-    except ValueError:
-        raise ConfigError(f"config.{key}={value!r}: expected comma-separated integers") from None
-    if not seeds:
-        raise ConfigError(f"config.{key}: empty; expected a comma-separated list")
-    return seeds
-
-
 def _stem(c, sizes: Sequence[str]) -> str:
     stem = "recipe_league_gpt-" + "-".join(sizes)
     if float(c.tokens_per_param) > 0:
@@ -402,7 +386,7 @@ def _plan(c, entries: list[Entry]) -> dict[str, dict]:
         raise ConfigError(f"config.size_seeds: {unknown} are not sizes of the study")
     plan = {}
     for size, s in sized.items():
-        seeds = _seeds(c, size)
+        seeds = pareto.study_seeds(c, size)
         per_entry = {}
         for e in entries:
             where = f"config.entries: {e.label} at {size}"
