@@ -37,18 +37,29 @@ it); ``clip_gradient=True`` keeps the XLA path. Padding to whole blocks happens 
 kernel (no pad or slice passes). On GPU and TPU, and when lowering for them (``jax.export(...,
 platforms=["cuda"])``), the XLA path is used: the choice is a ``lax.platform_dependent``.
 
-The rules. Four Over Six and MS-EDEN need a block's elements together: a chunk's tiles are
-gathered tile-major and each block's error sums (Four Over Six) or sum(u * u), sum(u * q)
-(MS-EDEN) are added in ``lowbit.core.scales.block_sum``'s one order, so the 4-vs-6 choice
-and the corrected scales are the XLA path's, bit for bit (tests/test_native_scale_rules.py
-pins the order on blocks whose choice it flips). MS-EDEN's tensor scale ``max(s1) / 256``
-depends on every block: the kernel runs two passes, the first writing each element's
-E2M1 code (one byte: a quarter of x's size) and each block's corrected scale, the second
-the values from them (x is read once; letting XLA do ``ms_eden_scales`` would cost two more
-full passes). Measured (4096 x 4096 float32, ``bench_quantize.py``, 2 shared cores, noisy):
-``tensor_block=128`` 0.76-1.32x of ``x * 2 + 1`` (within the 1.3x bound); Four Over Six
-1.9-2.5x along the last axis and 3.2-3.6x along axis 0; MS-EDEN 2.1-2.4x and 2.1-3.6x (the
-XLA path: 15.8x / 3.3x and 2.8x / 2.9x): both still above the bound.
+The rules. Four Over Six and MS-EDEN need a block's elements together. The kernel works
+on 16 blocks at once, one SIMD lane per block (element k of each block in vector k: rows of
+1-D blocks are transposed in registers, the strided walk loads them as they lie), so the
+per-block maxima, scales, divisions and choices are vector operations, and each block's
+error sums (Four Over Six) or sum(u * u), sum(u * q) (MS-EDEN) are added as whole vectors
+in ``lowbit.core.scales.block_sum``'s one order, so the 4-vs-6 choice and the corrected
+scales are the XLA path's, bit for bit (tests/test_native_scale_rules.py pins the order on
+blocks whose choice it flips). MS-EDEN's tensor scale ``max(s1) / 256`` depends on every
+block: the kernel runs two passes, the first writing each element's E2M1 code (one byte: a
+quarter of x's size) and each block's corrected scale, the second the values from them (x
+is read once; letting XLA do ``ms_eden_scales`` would cost two more full passes).
+Measured (4096 x 4096 float32, 2 cores shared with a training run, noisy), in multiples of
+``x * 2 + 1``, medians of 20 interleaved rounds, two runs, the bench's rule candidates
+alone: Four Over Six 1.49-1.61x along the last axis (MSE 1.51-1.55x, MAE 1.49-1.50x, max
+1.57-1.61x) and 1.38-1.48x along axis 0; MS-EDEN 1.54-1.56x and 1.42-1.45x; plain NVFP4
+1.42-1.44x and 1.24-1.26x in the same rounds (one block at a time, before: Four Over Six
+2.5-3.9x and 2.9-4.3x, MS-EDEN 1.9x and 2.4x). Above issue 25's 1.3x, but within
+1.05-1.2x of plain NVFP4, which is itself above it here: Four Over Six shares its
+tensor-amax pass (a read of x), MS-EDEN writes and reads the codes instead. In
+``bench_quantize.py``'s full table the same rows read 1.04-1.07x / 1.01-1.02x and
+1.09-1.11x / 1.02-1.03x (fastest over fastest 1.41-1.50x and 1.33-1.43x), because there its
+baseline, timed right after XLA-path calls, measures 34 ms against 24-26 ms alone.
+``tensor_block=128``: 0.85-0.95x in that table (1.16-1.26x of mins).
 
 Building. The kernel is compiled once per machine, with the C++ compiler on ``PATH`` (``$CXX``,
 else ``c++``/``g++``) against the XLA FFI headers that ship with jaxlib, into
@@ -128,6 +139,9 @@ _CXXFLAGS = (
     # a floating-point operation can trap, which lets GCC vectorise the rounding loops.
     "-fno-math-errno",
     "-fno-trapping-math",
+    # No a * b + c contracted into an FMA (GCC contracts in C++ even under -std=c++17): the
+    # kernel's arithmetic is the XLA path's, operation for operation.
+    "-ffp-contract=off",
     "-w",
 )
 _KINDS = {"mx_float": 0, "mx_int": 1, "nvfp4": 2}
