@@ -114,6 +114,9 @@ def test_bench_step_bounds_and_arguments():
         "quartet": 1.5,
         "mxfp4_bwd": 1.4,
     }
+    assert [bench_step.bound(r, "mlp") for r in ("four_over_six", "quartet2", "tetrajet2")] == [
+        1.3, 1.5, 1.5]
+    assert bench_step.bound("four_over_six") is None  # the GPT: reported only
     with pytest.raises(ValueError, match="model must be one of"):
         bench_step.bound("mxfp4", "cnn")
     assert bench_step._kind(lb.recipes.get("qat_mxfp4")) == "QAT"
