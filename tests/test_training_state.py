@@ -118,6 +118,28 @@ def test_osci_reset_sets_the_reset_weights_to_the_recipes_quantized_value_exactl
     np.testing.assert_array_equal(params["bias"].get_value(), new["bias"].get_value())
 
 
+def test_osci_reset_works_on_linen_parameters():
+    import flax.linen as nn
+
+    rules = [(".*", "tetrajet2")]
+    x = jnp.ones((16, 32))
+    qmodel = lbf.quantize(nn.Dense(16), rules)
+    variables = qmodel.init({"params": jax.random.key(0), "quant": jax.random.key(1)}, x)
+    quantizer = lbt.weight_quantizer(nn.Dense(16), rules, x)
+    q = quantizer(variables)["params"]
+    spec = lb.recipes.get("tetrajet2").fwd.rhs
+    w = variables["params"]["kernel"]
+    np.testing.assert_array_equal(q["kernel"], lb.fake_quantize(w, spec.format, axis=0,
+                                                                tensor_block=spec.tensor_block))
+    np.testing.assert_array_equal(q["bias"], variables["params"]["bias"])
+    tx = lbt.osci_reset(optax.sgd(0.1), quantizer, period=4, window=1, threshold=1e-30)
+    state = tx.init(variables)
+    for _ in range(3):
+        u, state = jax.jit(tx.update)(variables, state, variables)
+        variables = optax.apply_updates(variables, u)
+    assert int(state.count) == 3 and int(state.last_reset) > 0
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
@@ -194,6 +216,10 @@ def test_out_control_errors_and_small_sites():
     qmodel, _, _ = out_control_model()
     with pytest.raises(ValueError, match="ratio must be in"):
         lbt.out_control(qmodel, ratio=1.5)
+    import flax.linen as nn
+
+    with pytest.raises(TypeError, match="out_control: expected an NNX model"):
+        lbt.out_control(nn.Dense(8), ratio=0.1)
     with pytest.raises(ValueError, match="multiple must be a positive multiple of 32"):
         lbt.out_control(qmodel, ratio=0.1, multiple=48)
     # K = 128 below the multiple 256: the site keeps its recipe alone

@@ -56,9 +56,10 @@ def weight_quantizer(model, rules, *example_inputs) -> Callable[[Any], Any]:
     """``Q(params)``: every kernel that ``rules`` quantize replaced by its forward-quantized
     value (the weight spec of its site's recipe, along its site's contraction axis, as
     :func:`lowbit.flax.pack` lays it out), every other leaf as it is. ``model`` and
-    ``example_inputs`` as :func:`lowbit.flax.sites` takes them; the function takes a
-    parameter tree of the model (an NNX ``State`` of its ``Param`` s, or Linen params) and
-    is jittable. TetraJet-v2's oscillation tracking quantizes the weights this way
+    ``example_inputs`` as :func:`lowbit.flax.sites` takes them (NNX: the model; Linen: the
+    float module and example inputs); the function takes a parameter tree of the model (an
+    NNX ``State`` of its ``Param`` s, or Linen variables ``{"params": ...}``) and is
+    jittable. TetraJet-v2's oscillation tracking quantizes the weights this way
     (``oscillation_reset.py:95-107``: ``quant_fp4(w, 0)``, the forward's NVFP4 quantizer,
     round-to-nearest)."""
     rules = Rules.of(rules)
@@ -240,6 +241,12 @@ def out_control(
     for 50 steps."""
     import re
 
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            "out_control: expected an NNX model quantized by lowbit.flax.quantize, got "
+            f"{type(model).__name__} (Linen sites hold no OutControl state; osci_reset works "
+            "on Linen parameters)"
+        )
     fp8 = _recipes.get(recipe)
     if not 0 < ratio < 1:
         raise ValueError(f"out_control: ratio must be in (0, 1), got {ratio}")
