@@ -101,6 +101,8 @@ class QuantizeCase:
     gemm: tuple[int, int, int]  # the GEMM whose operand this is (for the dot-time ratio)
     hadamard: int | None = None  # fused Hadamard block (random signs), or None
     prescale: float = 1.0
+    scale_mode: str | None = None  # e.g. "4over6" (None: the format's default)
+    tensor_block: int | None = None  # TetraJet-v2's double-block scales (NVFP4)
 
     @property
     def name(self) -> str:
@@ -108,17 +110,26 @@ class QuantizeCase:
             "" if self.hadamard is None
             else f" hadamard={self.hadamard} prescale={self.prescale}"
         )
+        if self.scale_mode is not None:
+            extra += f" scale_mode={self.scale_mode}"
+        if self.tensor_block is not None:
+            extra += f" tensor_block={self.tensor_block}"
         return (
             f"quantize {self.fmt:<10} axis={self.axis:>2} {self.rounding:<10} {self.shape}" + extra
         )
 
     @property
     def config(self) -> QuantizeConfig:
-        return quantize_default(self.shape, self.fmt, self.axis, self.hadamard)
+        return quantize_default(self.shape, self.fmt, self.axis, self.hadamard,
+                                self.tensor_block)
 
     def kwargs(self, key) -> dict:
         """quantize's keyword arguments (signs drawn from ``key``)."""
         kw = dict(rounding=self.rounding, prescale=self.prescale)
+        if self.scale_mode is not None:
+            kw["scale_mode"] = self.scale_mode
+        if self.tensor_block is not None:
+            kw["tensor_block"] = self.tensor_block
         if self.hadamard is not None:
             kw.update(hadamard=self.hadamard, signs=random_signs(key, self.hadamard))
         return kw
@@ -126,8 +137,8 @@ class QuantizeCase:
     def kernel(self, x, key, signs_key, config=None):
         """The quantize kernel on the checked plan of ``x`` (signs drawn from ``signs_key``)."""
         kw = self.kwargs(signs_key)
-        plan = make_plan(x.shape, self.fmt, self.axis % 2, None, None, self.rounding, key,
-                         None, self.prescale)
+        plan = make_plan(x.shape, self.fmt, self.axis % 2, None, self.scale_mode, self.rounding,
+                         key, None, self.prescale, self.tensor_block)
         return quantize_pallas(x, plan, key, config=config or self.config,
                                hadamard=kw.get("hadamard"), signs=kw.get("signs"))
 
@@ -171,7 +182,20 @@ def quantize_cases() -> list[QuantizeCase]:
         for f, r, b, g in HADAMARD_CASES
         for axis in (-1, 0)
     ]
-    return cases
+    # the 2026 NVFP4 options (issue 25): Four Over Six, TetraJet-v2's double-block scales and
+    # MS-EDEN (after its random Hadamard of 128)
+    cases += [
+        QuantizeCase("nvfp4", axis, r, PREFILL[:2], PREFILL, **kw)
+        for axis in (-1, 0)
+        for r, kw in (
+            ("nearest", {"scale_mode": "4over6"}),
+            ("nearest", {"tensor_block": 128}),
+            ("stochastic", {"tensor_block": 128, "hadamard": 16}),
+            ("eden", {"hadamard": 128}),
+        )
+    ]
+    # (a Hadamard block that does not divide the quantized axis: a small test shape)
+    return [c for c in cases if c.hadamard is None or c.shape[c.axis] % c.hadamard == 0]
 
 
 @functools.partial(jax.jit, static_argnums=(1, 3))
@@ -260,10 +284,9 @@ def matmul_cases() -> list[MatmulCase]:
 def same_qarray(q: QArray, r: QArray) -> bool:
     ok = q.codes.shape == r.codes.shape and q.scales.shape == r.scales.shape
     ok = ok and bool(jnp.all(q.codes == r.codes)) and bool(jnp.all(q.scales == r.scales))
-    if r.tensor_scale is not None:
-        ok = ok and np.asarray(q.tensor_scale).view(np.uint32) == np.asarray(r.tensor_scale).view(
-            np.uint32
-        )
+    if r.tensor_scale is not None:  # a scalar, or one outer scale per outer block
+        a, b = np.asarray(q.tensor_scale), np.asarray(r.tensor_scale)
+        ok = ok and a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
     return bool(ok)
 
 

@@ -47,8 +47,12 @@ def test_dry_run(tiny, capsys):
     assert gpu_check.run_dry() == 0
     out = capsys.readouterr().out
     # 4 quantize (2 axes x 2 roundings) + 1 decode-shape quantize + 2 fused Hadamard and gain
-    # (2 axes) + 1 pair x 2 GEMM shapes + nvfp4's weight-gradient GEMM end to end
-    assert out.count("lowers for CUDA") == 10 and "0 failed" in out
+    # (2 axes) + 1 pair x 2 GEMM shapes + nvfp4's weight-gradient GEMM end to end, and the
+    # 2026 NVFP4 options: Four Over Six and two double-block cases on 2 axes, MS-EDEN along
+    # the axis its Hadamard of 128 divides in the small shapes
+    assert out.count("lowers for CUDA") == 17 and "0 failed" in out
+    assert out.count("scale_mode=4over6") == 2 and out.count("tensor_block=128") == 4
+    assert out.count(" eden ") == 1
     assert out.count("quantized_gemm nvfp4") == 1
     assert out.count("hadamard=32 prescale=0.75") == 2
 
