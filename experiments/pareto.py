@@ -35,7 +35,6 @@ import dataclasses
 import functools
 import json
 import math
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -619,13 +618,8 @@ def write(
 ) -> tuple[Path, Path, Path]:
     """``<stem>.json``, ``.md`` and ``.png`` under ``out_dir`` (``stem``: the result's,
     ``pareto_gpt-<sizes>``), copied to ``results_dir`` when given."""
-    paths = studylib.write(result, out_dir, result["stem"], render_markdown, plot, command)
-    if results_dir:
-        dst = Path(results_dir)
-        dst.mkdir(parents=True, exist_ok=True)
-        for p in paths:
-            shutil.copyfile(p, dst / p.name)
-    return paths
+    return studylib.write(result, out_dir, result["stem"], render_markdown, plot, command,
+                          results_dir)
 
 
 def main(argv: list[str]) -> None:

@@ -41,7 +41,6 @@ import dataclasses
 import functools
 import json
 import re
-import shutil
 import statistics
 import time
 import types
@@ -644,13 +643,8 @@ def write(
 ) -> tuple[Path, Path, Path]:
     """``<stem>.json``, ``.md`` and ``.png`` under ``out_dir``, copied to ``results_dir`` when
     given."""
-    paths = studylib.write(result, out_dir, result["stem"], render_markdown, plot, command)
-    if results_dir:
-        dst = Path(results_dir)
-        dst.mkdir(parents=True, exist_ok=True)
-        for p in paths:
-            shutil.copyfile(p, dst / p.name)
-    return paths
+    return studylib.write(result, out_dir, result["stem"], render_markdown, plot, command,
+                          results_dir)
 
 
 def main(argv: list[str]) -> None:

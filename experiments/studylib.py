@@ -7,6 +7,7 @@ and the body of a config-file study's ``main`` (:func:`main`)."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -63,15 +64,22 @@ def write(
     render_markdown: Callable[[dict, str], str],
     plot: Callable[[dict, Path], Path],
     command: str = "",
+    results_dir=None,
 ) -> tuple[Path, Path, Path]:
     """``<out_dir>/<stem>.json``, ``.md`` (``render_markdown(result, command)``) and ``.png``
-    (``plot``); returns their paths."""
+    (``plot``), copied to ``results_dir`` when given; returns their paths (under
+    ``out_dir``)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     js = write_json(out_dir / f"{stem}.json", result)
     md = out_dir / f"{stem}.md"
     md.write_text(render_markdown(result, command))
     png = plot(result, out_dir / f"{stem}.png")
+    if results_dir:
+        dst = Path(results_dir)
+        dst.mkdir(parents=True, exist_ok=True)
+        for p in (js, md, png):
+            shutil.copyfile(p, dst / p.name)
     return js, md, png
 
 
