@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo format-demo test test-slow bench lint clean
+.PHONY: venv demo format-demo test test-slow bench gpu-aot lint clean
 
 venv: $(STAMP)
 
@@ -36,9 +36,27 @@ bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/bench_quantize.py
 
+# The Pallas kernels and a training step compiled for a device-less H100 and B200 by XLA's own
+# GPU compiler (no GPU needed): registers, spills, shared memory per kernel into
+# pallas_kernels/aot_report.md. Its own venv: the CUDA plugin is about 3 GB of wheels, pinned to
+# the jax that the project installs.
+GPU_VENV := .venv-gpu
+GPU_PY := $(GPU_VENV)/bin/python
+GPU_STAMP := $(GPU_VENV)/.installed
+
+$(GPU_STAMP): pyproject.toml
+	test -x $(GPU_PY) || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install -q --upgrade pip
+	$(GPU_PY) -m pip install -q -e .
+	$(GPU_PY) -m pip install -q "jax[cuda12]==$$($(GPU_PY) -c 'import jax; print(jax.__version__)')"
+	touch $(GPU_STAMP)
+
+gpu-aot: $(GPU_STAMP)
+	JAX_PLATFORMS=cpu $(GPU_PY) -m benchmarks.gpu_aot
+
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache build *.egg-info

@@ -25,7 +25,10 @@ GPU mode, for each kernel configuration:
   (``implementation="xla"``) within ``(2 K + 8) u (|A_q| @ |B_q|)`` (the quantized operands
   are the same, stochastic rounding included; only the order of the float32 sums differs),
   timed against it.
-A time budget (--budget-s, default 270 s) skips what is left once spent, so the whole run stays
+Every timed kernel is also printed as its time over its roofline on an H200
+(``pallas_kernels.roofline``: the least bytes it must move and flops it must do, at 4.8 TB/s
+and the dense BF16 peak; ``--roofline`` prints the bounds alone). A time budget (--budget-s,
+default 270 s) skips what is left once spent, so the whole run stays
 under 5 minutes even where compiles are slow; skipped rows are reported as such.
 
 Dry-run mode (CPU): lowers every configuration above for CUDA through jax.export with the
@@ -53,6 +56,7 @@ from lowbit.core.qarray import QArray
 from lowbit.core.qarray import quantize as lowbit_quantize
 from lowbit.gemm import recipes as lowbit_recipes
 from lowbit.gemm.operand import quantize_operand
+from pallas_kernels import roofline
 from pallas_kernels._common import export_for_cuda, format_unsupported, on_gpu, time_fn
 from pallas_kernels.block_scaled_matmul import Config as MatmulConfig
 from pallas_kernels.block_scaled_matmul import block_scaled_matmul
@@ -253,6 +257,52 @@ def gemm_cases() -> list[GemmCase]:
     return out
 
 
+def quantize_roofline_of(case: QuantizeCase, device=roofline.H200) -> roofline.Roofline:
+    """The roofline of a quantize case (its bf16 input, its QArray)."""
+    kw = {k: v for k, v in (("scale_mode", case.scale_mode),
+                            ("tensor_block", case.tensor_block)) if v is not None}
+    return roofline.quantize_roofline(case.shape, case.fmt, case.axis, hadamard=case.hadamard,
+                                      device=device, **kw)
+
+
+def matmul_roofline_of(case: MatmulCase, device=roofline.H200) -> roofline.Roofline:
+    """The roofline of a matmul case (bf16 output, as it is timed)."""
+    return roofline.matmul_roofline(*case.mkn, case.a, case.b, device=device)
+
+
+def gemm_roofline_of(case: GemmCase, device=roofline.H200) -> roofline.Roofline:
+    """The roofline of an end-to-end GEMM case: its operands' quantize kernels, then the
+    matmul to float32."""
+    g = case.spec
+    fmt = lambda s: None if s is None else s.format  # noqa: E731
+    return roofline.gemm_roofline(*case.mkn, fmt(g.lhs), fmt(g.rhs), hadamard=g.hadamard or None,
+                                  device=device)
+
+
+def roofline_table(device=roofline.H200) -> str:
+    """The markdown roofline table of every configuration this check runs (``--roofline``)."""
+    rows = [
+        "| kernel | MB moved | GFLOP | roofline (us) | roof | best speed-up over the bf16 GEMM "
+        "(a quantize: the time it adds to it) |",
+        "|---|---:|---:|---:|---|---:|",
+    ]
+
+    def row(name, r, gemm, quantize=False):
+        g = roofline.bf16_gemm_roofline(*gemm, device)
+        rel = (f"+{100 * r.seconds / g.seconds:.1f}% of its time" if quantize
+               else f"{g.seconds / r.seconds:.2f}x")
+        rows.append(f"| {' '.join(name.split())} | {r.bytes / 1e6:,.1f} | {r.flops / 1e9:,.1f} "
+                    f"| {r.seconds * 1e6:,.1f} | {r.bound} | {rel} |")
+
+    for c in quantize_cases():
+        row(c.name, quantize_roofline_of(c, device), c.gemm, quantize=True)
+    for c in matmul_cases():
+        row(c.name, matmul_roofline_of(c, device), c.mkn)
+    for c in gemm_cases():
+        row(c.name, gemm_roofline_of(c, device), c.mkn)
+    return "\n".join(rows) + "\n"
+
+
 @functools.partial(jax.jit, static_argnames="case")
 def _gemm_excess(c, ref, a, b, keys, signs, *, case: GemmCase):
     """max(|C - C_ref| - tol) with tol = (2K + 8) 2**-24 (|A_q| @ |B_q|), ``A_q``, ``B_q``
@@ -389,10 +439,12 @@ def _check_quantize(run: _GpuRun) -> None:
         if not exact:
             run.failures.append(case.name)
         gbs = (_nbytes(x) + q.nbytes) / tk / 1e9
+        roof = quantize_roofline_of(case).seconds
         print(
             f"{case.name}: {'bit-exact' if exact else 'MISMATCH'}  {tk * 1e6:8.1f} us "
             f"{gbs:7.1f} GB/s | XLA {tr * 1e6:8.1f} us ({tr / tk:4.2f}x faster) | "
-            f"{tk / run.dot_time[case.gemm]:6.3f} of the bf16 dot"
+            f"{tk / run.dot_time[case.gemm]:6.3f} of the bf16 dot | "
+            f"{tk / roof:5.2f}x its roofline ({roof * 1e6:.1f} us)"
         )
 
 
@@ -420,10 +472,12 @@ def _check_matmul(run: _GpuRun) -> None:
             run.failures.append(case.name)
         td = run.dot_time[case.mkn]
         gbs = (_nbytes(a) + _nbytes(b) + 2 * m * n) / tk / 1e9
+        roof = matmul_roofline_of(case).seconds
         print(
             f"{case.name}: {'ok' if ok else 'OUT OF TOLERANCE'} (max err {err:.2e})  "
             f"{tk * 1e6:9.1f} us {2 * m * n * k / tk / 1e12:7.1f} TFLOP/s {gbs:7.1f} GB/s | "
-            f"bf16 dot {td * 1e6:9.1f} us | speed-up {td / tk:5.2f}x"
+            f"bf16 dot {td * 1e6:9.1f} us | speed-up {td / tk:5.2f}x | "
+            f"{tk / roof:5.2f}x its roofline ({roof * 1e6:.1f} us)"
         )
 
 
@@ -445,10 +499,12 @@ def _check_gemms(run: _GpuRun) -> None:
         if not ok:
             run.failures.append(case.name)
         m, k, n = case.mkn
+        roof = gemm_roofline_of(case).seconds
         print(
             f"{case.name}: {'ok' if ok else 'OUT OF TOLERANCE'} (max err {err:.2e})  "
             f"{tk * 1e6:9.1f} us {2 * m * n * k / tk / 1e12:7.1f} TFLOP/s | XLA emulation "
-            f"{te * 1e6:9.1f} us ({te / tk:5.2f}x faster)"
+            f"{te * 1e6:9.1f} us ({te / tk:5.2f}x faster) | "
+            f"{tk / roof:5.2f}x its roofline ({roof * 1e6:.1f} us)"
         )
 
 
@@ -521,8 +577,8 @@ def run_dry() -> int:
             m, k, n = case.mkn
             export_for_cuda(
                 lambda a, b: matmul_pallas(a, b, config=cfg, out_dtype=jnp.bfloat16),
-                _spec(case.a, (m, k), -1),
-                _spec(case.b, (k, n), 0),
+                operand_spec(case.a, (m, k), -1),
+                operand_spec(case.b, (k, n), 0),
             )
             sm, sk, sn = min(m, cfg.block_m), min(k, 2 * cfg.block_k), min(n, 2 * cfg.block_n)
             x = jnp.asarray(rng.standard_normal((sm, sk)), jnp.bfloat16)
@@ -553,7 +609,9 @@ def run_dry() -> int:
     return 1 if failures else 0
 
 
-def _spec(fmt, shape, axis):
+def operand_spec(fmt, shape, axis):
+    """The abstract operand of a matmul case: a bf16 array (``fmt`` None) or the QArray of
+    ``fmt`` quantized along ``axis``."""
     if fmt is None:
         return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     return jax.eval_shape(
@@ -668,7 +726,15 @@ def main(argv=None) -> int:
         action="store_true",
         help="GPU mode: afterwards, time candidate block sizes (another budget-s at most)",
     )
+    parser.add_argument(
+        "--roofline",
+        action="store_true",
+        help="print each configuration's H200 roofline (pallas_kernels.roofline) and exit",
+    )
     args = parser.parse_args(argv)
+    if args.roofline:
+        print(roofline_table(), end="")
+        return 0
     if args.dry_run:
         return run_dry()
     if not on_gpu():

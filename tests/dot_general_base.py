@@ -256,6 +256,9 @@ BTK_KN = Case(
     dlhs_dy=(2, 1), dlhs_rhs=(1, 0), dlhs_dn=(((2,), (1,)), ((), ())),  # dx[b,t,k]
     drhs_lhs=(1, 2), drhs_dy=(1, 2), drhs_dn=(((0, 1), (0, 1)), ((), ())),  # dw[k,n]
 )
+# ... with T = 96: a multiple of every block and transform along tokens of the recipes the
+# kernel tests run (16, 32), not of 64 or 256: blocks of 32 along T stay within a sequence
+BTK96_KN = dataclasses.replace(BTK_KN, id="btk,kn->btn (T=96)", lhs_shape=(2, 96, 64))
 
 
 class DotGeneralSpec:

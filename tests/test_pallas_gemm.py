@@ -35,7 +35,7 @@ from lowbit.gemm.operand import quantize_operand
 from lowbit.gemm.recipes import GemmSpec, QuantSpec, Recipe
 from pallas_kernels._common import TRITON_CUSTOM_CALL_TARGETS, export_for_cuda, on_gpu
 from pallas_kernels.quantized_gemm import kernel_supports, quantized_gemm
-from tests.dot_general_base import BTK_KN, MK_KN, DotGeneralSpec, parametrize_spec
+from tests.dot_general_base import BTK96_KN, BTK_KN, MK_KN, DotGeneralSpec, parametrize_spec
 from tests.gemm_base import (
     KEY_A,
     KEY_B,
@@ -329,14 +329,14 @@ NEAREST_RECIPES = ["mxfp8", "mxfp4", "nvfp4", "fp8", "qat_mxfp4", "qat_nvfp4", Q
 class TestDotGeneralPallasOnCPU(DotGeneralSpec):
     implementation = "pallas"
     recipes = tuple(NEAREST_RECIPES)
-    cases = (BTK_KN,)
+    cases = (BTK_KN, BTK96_KN)
     exact = False
 
 
 class TestDotGeneralPallasInterpret(DotGeneralSpec):
     implementation = resolve("pallas", interpret=True)
     recipes = ("mxfp4", QUARTET_NEAREST)  # MX kernels in all three GEMMs; fused Hadamard
-    cases = (MK_KN,)
+    cases = (MK_KN, BTK96_KN)  # (flattened tokens: 2 x 96, blocks of 32 within a sequence)
     exact = False
 
 
@@ -355,12 +355,14 @@ def test_dot_general_pallas_falls_back_for_other_dimension_numbers():
 
 @cpu_only
 def test_dot_general_pallas_fallback_names_the_token_constraint():
-    """Leading axes whose token axis is no multiple of 256 would split blocks when flattened:
-    an explicit "pallas" says so; None (the best available) falls back without a word."""
-    x = jax.random.normal(jax.random.key(0), (2, 96, 64))
+    """Leading axes whose token axis is no multiple of the recipe's blocks along it (MXFP4:
+    32) would split blocks when flattened: an explicit "pallas" says so; None (the best
+    available) falls back without a word."""
+    x = jax.random.normal(jax.random.key(0), (2, 48, 64))
     w = jax.random.normal(jax.random.key(1), (64, 32))
     dn = (((2,), (0,)), ((), ()))
-    with pytest.warns(UserWarning, match=r"token axis \(96\) must be a multiple of 256"):
+    msg = r"token axis \(48\) must be a multiple of 32 \(recipe mxfp4"
+    with pytest.warns(UserWarning, match=msg):
         y = lb.dot_general(x, w, dn, recipe="mxfp4", implementation="pallas")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

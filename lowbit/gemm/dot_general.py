@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from lowbit.core import formats as _formats
 from lowbit.core import hadamard as _hadamard
 from lowbit.gemm import recipes as _recipes
 from lowbit.gemm.implementation import Implementation, kernel, resolve
@@ -198,10 +199,29 @@ class _Call:
         return self.impl.gemm == "pallas" and _kernel_constraint(self) is None
 
 
+def _token_multiple(recipe: Recipe) -> int:
+    """The token count that flattening ``x [..., T, K]`` to ``[.. * T, K]`` must keep whole:
+    the longest block or transform of any of the recipe's GEMMs that can lie along the token
+    axis (the weight gradient's 1-D blocks and Hadamard transform run along it, a 2-D tile
+    spans it in every GEMM). With ``T`` a multiple of it, no block holds two sequences' tokens
+    and the flattened GEMMs quantize what the emulation quantizes."""
+    m = 1
+    for g in (recipe.fwd, recipe.dlhs, recipe.drhs):
+        m = max(m, g.hadamard or 1)
+        for spec in (g.lhs, g.rhs):
+            if spec is None or spec.granularity != "block":
+                continue
+            m = max(m, *(spec.block_shape or (_formats.get(spec.format).block_size,)))
+            m = max(m, spec.tensor_block or 1)
+    return m
+
+
 def _kernel_constraint(st: _Call) -> str | None:
     """Why the kernel op cannot take this call (None if it can): it takes a plain
     ``x [..., K] @ w [K, N]`` (or ``w [N, K]``) with no batch dims, whose flattened token axis
-    keeps the emulation's blocks (a leading axis splits no block: tokens a multiple of 256)."""
+    keeps the emulation's blocks (with leading axes, tokens a multiple of
+    :func:`_token_multiple`: 32 for MXFP4, 16 for NVFP4, the Hadamard block where a GEMM
+    transforms along tokens)."""
     (lc, rc), (lb_, rb) = st.dn
     nl = len(st.lhs_shape)
     if lb_ or rb or lc != (nl - 1,) or len(st.rhs_shape) != 2 or rc not in ((0,), (1,)):
@@ -209,10 +229,12 @@ def _kernel_constraint(st: _Call) -> str | None:
             f"dimension_numbers {st.dn} on lhs {st.lhs_shape} and rhs {st.rhs_shape}: the "
             "kernels take a plain x [..., K] @ w [K, N] or w [N, K] with no batch dims"
         )
-    if nl > 2 and st.lhs_shape[-2] % 256:
+    m = _token_multiple(st.recipe)
+    if nl > 2 and st.lhs_shape[-2] % m:
         return (
             f"lhs {st.lhs_shape}: with leading axes the token axis ({st.lhs_shape[-2]}) must "
-            "be a multiple of 256 so that flattening them splits no block"
+            f"be a multiple of {m} (recipe {st.recipe.name}'s longest block or transform "
+            "along tokens) so that flattening them splits no block"
         )
     return None
 

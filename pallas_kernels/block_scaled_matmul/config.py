@@ -7,9 +7,9 @@ block size (16 or 32), every block a power of two (Triton tensors are), and ``bl
 ``block_n`` at least 16 (the smallest tensor-core tile).
 
 >>> get_default(8192, 8192, 8192)
-Config(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=3)
+Config(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
 >>> get_default(16, 8192, 8192)
-Config(block_m=16, block_n=64, block_k=256, group_m=1, num_warps=4, num_stages=3)
+Config(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=8, num_stages=3)
 """
 
 from __future__ import annotations
@@ -67,14 +67,29 @@ def get_default(
     """A tile for ``C [m, n] = A [m, k] B [k, n]``.
 
     Decode-like ``m <= 64``: the smallest ``block_m`` that holds ``m``, narrow ``block_n``
-    (enough programs to fill the GPU) and a long ``block_k`` (more bytes in flight per step).
-    Otherwise 128x128 tiles with ``block_k = 64`` (32 for float32 operands, whose tiles are
-    twice the bytes). Blocks never exceed the padded problem.
+    (enough programs to fill the GPU) and ``block_k = 128``. Otherwise 128x128 tiles with
+    ``block_k = 64`` (32 for float32 operands, whose tiles are twice the bytes). Eight warps,
+    three stages. Blocks never exceed the padded problem.
+
+    Why eight warps and these ``block_k``: the kernel decodes each operand tile in registers
+    (integer ops per element) before the MMA, so a thread holds its share of both decoded
+    tiles besides the accumulator. Compiled for H100 and B200 (``make gpu-aot``,
+    ``pallas_kernels/aot_report.md``), the former defaults (4 warps; ``block_k = 256`` for
+    decode) sat at 255 registers and spilled in 13 of gpu_check's 22 matmul configurations on
+    H100 and 7 on B200: 28 to 368 B per thread at 128x128x64 (MXFP6, MXFP8, NVFP4 on H100;
+    with 4 warps a thread holds a 128-register accumulator besides its share of both decoded
+    128x64 tiles) and 592 to 1,400 B at 16x64x256 (a thread decodes 128 elements of B's tile
+    per step), every format but MXINT8. With 8 warps the
+    accumulator and each decoded tile are half per thread: 128x128x64 needs 162 (MXFP4) to
+    222 (E4M3 x E5M2) registers and nothing spills; decode at 16x64x128 needs 93 to 159
+    (16x64x256 with 8 warps still spilled 200 to 280 B for MXFP8). No configuration that
+    this function picks for ``gpu_check``'s shapes spills on either target
+    (``tests/test_gpu_aot.py`` holds the report to that).
     """
     bk_min = max(block_sizes + (16,))
     if m <= 64:
         block_m = max(16, next_pow2(m))
-        block_n, block_k, group_m = 64, 256, 1
+        block_n, block_k, group_m = 64, 128, 1
     else:
         block_m, block_n, block_k, group_m = 128, 128, 64, 8
     if high_precision_f32:
@@ -87,6 +102,6 @@ def get_default(
         block_n=block_n,
         block_k=block_k,
         group_m=group_m,
-        num_warps=4,
+        num_warps=8,
         num_stages=3,
     )

@@ -37,7 +37,7 @@ from pallas_kernels.block_scaled_matmul.kernel import matmul_pallas
 from pallas_kernels.quantize import get_default as _quantize_default
 from pallas_kernels.quantize.kernel import quantize_pallas
 
-__all__ = ["kernel_supports", "quantized_gemm_pallas"]
+__all__ = ["kernel_configs", "kernel_supports", "quantized_gemm_pallas"]
 
 
 def _spec_unsupported(spec: QuantSpec | None, name: str) -> str | None:
@@ -108,14 +108,37 @@ def kernel_supports(spec_a: QuantSpec | None, spec_b: QuantSpec | None) -> tuple
     return True, ""
 
 
+def _fuses_hadamard(spec: QuantSpec, hadamard) -> bool:
+    """Whether the quantize kernel applies the GEMM's Hadamard transform itself (not after an
+    RMS clip, which reads the transformed operand in XLA)."""
+    return hadamard is not None and spec.clip_rms is None
+
+
+def kernel_configs(m: int, k: int, n: int, spec_a: QuantSpec | None,
+                   spec_b: QuantSpec | None, hadamard: int | None = None) -> dict:
+    """The blocks each kernel of the GEMM ``a [m, k] @ b [k, n]`` runs with: ``"a"`` and
+    ``"b"`` the quantize kernels' (absent for a high-precision operand), ``"matmul"`` the
+    matmul's. What :func:`quantized_gemm_pallas` launches, so that a report of the kernels
+    (``make gpu-aot``) can name them."""
+    out = {}
+    for name, spec, shape, axis in (("a", spec_a, (m, k), 1), ("b", spec_b, (k, n), 0)):
+        if spec is not None:
+            h = hadamard if _fuses_hadamard(spec, hadamard) else None
+            out[name] = _quantize_default(shape, _formats.get(spec.format), axis, h)
+    blocks = tuple(_formats.get(s.format).block_size for s in (spec_a, spec_b) if s is not None)
+    out["matmul"] = _matmul_default(
+        m, n, k, block_sizes=blocks, high_precision_f32=spec_a is None or spec_b is None
+    )
+    return out
+
+
 def _kernel_operand(x, spec: QuantSpec | None, axis: int, key, interpret: bool, hadamard,
-                    signs):
-    """A QArray quantized along ``axis`` by the Pallas kernel (the Hadamard transform fused
-    where it can be), or ``x`` (None spec, transformed in XLA)."""
+                    signs, config):
+    """A QArray quantized along ``axis`` by the Pallas kernel with blocks ``config`` (the
+    Hadamard transform fused where it can be), or ``x`` (None spec, transformed in XLA)."""
     if spec is None:
         return x if hadamard is None else hadamard_along(x, axis, hadamard, signs)
-    fused = hadamard is not None and spec.clip_rms is None
-    if hadamard is not None and not fused:
+    if hadamard is not None and not _fuses_hadamard(spec, hadamard):
         x = hadamard_along(x, axis, hadamard, signs)
         hadamard = signs = None
     x = clip_to_rms(x, spec, axis)
@@ -124,7 +147,7 @@ def _kernel_operand(x, spec: QuantSpec | None, axis: int, key, interpret: bool, 
         x,
         plan,
         key if plan.stochastic else None,
-        config=_quantize_default(x.shape, plan.fmt, axis, hadamard),
+        config=config,
         interpret=interpret,
         hadamard=hadamard,
         signs=signs,
@@ -134,14 +157,12 @@ def _kernel_operand(x, spec: QuantSpec | None, axis: int, key, interpret: bool, 
 def quantized_gemm_pallas(a, b, key_a, key_b, *, spec_a, spec_b, hadamard=None, signs=None,
                           interpret: bool = False) -> jax.Array:
     """The kernel path for specs :func:`kernel_supports` accepts (checked by the caller)."""
-    qa = _kernel_operand(a, spec_a, 1, key_a, interpret, hadamard, signs)
-    qb = _kernel_operand(b, spec_b, 0, key_b, interpret, hadamard, signs)
     (m, k), n = a.shape, b.shape[1]
-    blocks = tuple(_formats.get(s.format).block_size for s in (spec_a, spec_b) if s is not None)
-    config = _matmul_default(
-        m, n, k, block_sizes=blocks, high_precision_f32=spec_a is None or spec_b is None
-    )
-    c = matmul_pallas(qa, qb, config=config, out_dtype=jnp.float32, interpret=interpret)
+    configs = kernel_configs(m, k, n, spec_a, spec_b, hadamard)
+    qa = _kernel_operand(a, spec_a, 1, key_a, interpret, hadamard, signs, configs.get("a"))
+    qb = _kernel_operand(b, spec_b, 0, key_b, interpret, hadamard, signs, configs.get("b"))
+    c = matmul_pallas(qa, qb, config=configs["matmul"], out_dtype=jnp.float32,
+                      interpret=interpret)
     for spec in (spec_a, spec_b):  # the codes hold prescaled elements: undo each once
         if spec is not None and spec.prescale != 1.0:
             c = undo_prescale(c, spec.prescale)
