@@ -43,11 +43,13 @@ from lowbit.core.formats import E4M3, BlockFormat, ElementFormat
 from lowbit.core.numerics import exponent, ieee_div, pow2, round_to_grid
 from lowbit.gemm.operand import scaled_fake_quantize
 from lowbit.gemm.recipes import TENSOR_ELEMENTS
+from lowbit.gptq import gptq
 
 __all__ = [
     "Histogram",
     "amax",
     "block_scales",
+    "gptq",
     "kl_divergences",
     "METHODS",
     "BLOCK_METHODS",

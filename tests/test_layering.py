@@ -3,7 +3,7 @@
 Layers, lowest first (a module may import its own layer and the layers below it):
 
     formats, implementation -> numerics, hadamard, plan -> native -> qarray -> io -> recipes
-      -> bits -> operand, calibrate -> pallas_kernels (the kernels and their references)
+      -> bits -> operand, calibrate, gptq -> pallas_kernels (the kernels and their references)
       -> dot_general -> flax -> ptq -> autoquant -> experiments -> benchmarks
 
 ``lowbit`` reaches ``pallas_kernels`` only through the lazy implementation table in
@@ -28,11 +28,11 @@ LAYERS = [
     ("lowbit.core", "lowbit.gemm", "lowbit.core.formats", "lowbit.gemm.implementation"),
     ("lowbit.core.numerics", "lowbit.core.hadamard", "lowbit.core.plan", "lowbit.core.scales"),
     ("lowbit.core.native",),
-    ("lowbit.core.qarray",),
+    ("lowbit.core.qarray", "lowbit.core.requantize"),
     ("lowbit.io",),
     ("lowbit.gemm.recipes",),
     ("lowbit.bits",),
-    ("lowbit.gemm.operand", "lowbit.calibrate"),
+    ("lowbit.gemm.operand", "lowbit.calibrate", "lowbit.gptq"),
     ("pallas_kernels",),
     ("lowbit.gemm.dot_general",),
     ("lowbit.flax",),

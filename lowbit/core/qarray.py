@@ -79,6 +79,7 @@ __all__ = [
     "nvfp4_tensor_scale",
     "absmean_scales",
     "ABSMEAN_FLOOR",
+    "pack_codes",
 ]
 
 E8M0_NAN = 0xFF
@@ -204,7 +205,9 @@ def decode_elements(codes: jax.Array, elem: ElementFormat) -> jax.Array:
     return jnp.where(sign == 1, -mag, mag)
 
 
-def _pack(codes: jax.Array, elem: ElementFormat) -> jax.Array:
+def pack_codes(codes: jax.Array, elem: ElementFormat) -> jax.Array:
+    """Element codes (uint8, one a code) packed along the last axis: two FP4 / INT4 codes a
+    byte (low nibble first), four FP6 codes in three bytes, ternary five trits a byte."""
     n, _ = elem.pack_group
     if n == 1:
         return codes
@@ -594,7 +597,7 @@ def quantize_with_plan(x, plan: Plan, key, tensor_amax) -> QArray:
         k = plan.tensor_block // plan.block_shape[0]
         t = _to_storage(_squeeze_blocks(t, plan), plan)[..., ::k]
     return QArray(
-        codes=_pack(codes, elem),
+        codes=pack_codes(codes, elem),
         scales=scales,
         tensor_scale=t,
         format_name=plan.fmt.name,
