@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -68,24 +69,54 @@ def prepare(model, rules, calibration, smoothing, weights, example, where):
     return m, rules, sites
 
 
-def _packed_weight(w, spec, layout: Layout, weights: str) -> QArray:
+def _gptq_weight(w, spec, layout: Layout, hessian, path: str) -> QArray:
+    """GPTQ of a site's weight from its recorded Hessian, in the layout ``pack_weight`` gives
+    (the weight's other axes flattened for GPTQ's columns, then put back)."""
+    where = f"quantize: site {path!r}"
+    if hessian is None:
+        raise ValueError(f"{where} has no recorded Hessian: weights='gptq' needs "
+                         "ptq.calibrate(..., hessians=True)")
+    if spec.block_shape is not None and len(spec.block_shape) != 1:
+        raise ValueError(f"{where}: weights='gptq' takes 1-D blocks along the contraction "
+                         f"axis; its recipe tiles the weight {spec.block_shape}")
+    w = jnp.asarray(w)
+    k = w.shape[layout.axis]
+    w2 = jnp.moveaxis(w, layout.axis, 0).reshape(k, -1)
+    opts = {} if spec.scale_mode is None else {"scale_mode": spec.scale_mode}
+    if spec.tensor_block is not None:
+        opts["tensor_block"] = spec.tensor_block  # (gptq says it does not take it)
+    try:
+        q = _cal.gptq(w2, hessian, spec.format, axis=0, **opts)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{where}: {e}") from None
+    std = pack_weight(w, spec, layout)
+    return dataclasses.replace(std, codes=q.codes.reshape(std.codes.shape),
+                               scales=q.scales.reshape(std.scales.shape))
+
+
+def _packed_weight(w, spec, layout: Layout, weights: str, hessian=None, path="") -> QArray:
     if weights == "max":
         return pack_weight(w, spec, layout)
+    if weights == "gptq":
+        return _gptq_weight(w, spec, layout, hessian, path)
     two_d = spec.block_shape is not None and len(spec.block_shape) == 2
     axis = (layout.axis, layout.other_axis) if two_d else layout.axis
     return _cal.block_scales(w, spec.format, "mse", axis=axis, block_shape=spec.block_shape)
 
 
-def _weights(m, sites, rules, smoothing, weights) -> dict[str, Any]:
+def _weights(m, sites, rules, smoothing, weights, hessians=None) -> dict[str, Any]:
     """site path -> the packed weight (QArray) of the transformed model; a weight-only
-    recipe that keeps the weight in float too (then the float weight)."""
+    recipe that keeps the weight in float too (then the float weight). ``hessians``: site
+    path -> recorded input Hessian (``weights="gptq"``)."""
     out = {}
     for site in sites:
         spec = weight_spec(rules.active(site.path), site.path)
         w = kernel_value(m, site)
         folded = site_kernel(w, site.path, smoothing, jnp.float32)
         w = jnp.asarray(w) if folded is None else folded
-        out[site.path] = w if spec is None else _packed_weight(w, spec, site.layout, weights)
+        h = (hessians or {}).get(site.path)
+        out[site.path] = w if spec is None else _packed_weight(w, spec, site.layout, weights,
+                                                               h, site.path)
     return out
 
 
@@ -104,7 +135,10 @@ def quantize(
     Each site ``rules`` quantize gets its weight quantized once, as its recipe's forward
     quantizes it (the format, blocks along the contraction axis, 2-D tiles), into a
     :class:`lowbit.QArray` (``weights="max"``: the standard scales; ``"mse"``: per-block
-    scale search, :func:`lowbit.calibrate.block_scales`), and its activation quantized in
+    scale search, :func:`lowbit.calibrate.block_scales`; ``"gptq"``: GPTQ,
+    :func:`lowbit.calibrate.gptq`, from the site's input Hessian that ``calibration`` recorded
+    with ``hessians=True``; with ``smoothing``, calibrate with the same smoothing so that the
+    Hessian is the smoothed activations'), and its activation quantized in
     every call with the calibrated static amax (``calibration``; None: dynamic scales, a
     direct cast). ``smoothing`` (:func:`smooth` / :func:`svdquant`): smoothed sites hold the
     folded weight ``diag(s) W - L1 L2`` (packed), the vector ``s`` and the branch as
@@ -120,7 +154,11 @@ def quantize(
     """
     m, rules, sites = prepare(model, rules, calibration, smoothing, weights, example,
                               "quantize")
-    packed_w = _weights(m, sites, rules, smoothing, weights)
+    if weights == "gptq" and (calibration is None or not calibration.hessians):
+        raise ValueError("quantize: weights='gptq' needs a calibration with the sites' input "
+                         "Hessians: ptq.calibrate(model, rules, batches, hessians=True)")
+    packed_w = _weights(m, sites, rules, smoothing, weights,
+                        None if calibration is None else calibration.hessians)
     serving = _rebuild(m, sites, rules, calibration, smoothing, "serve", implementation)
     return m.adapter.served(serving, sites, packed_w)
 
@@ -163,15 +201,18 @@ def simulate(
 ):
     """The fake-quantized counterpart of :func:`quantize`: float (folded) weights quantized in
     every call by the sites' recipes with the calibrated static amaxes. Its outputs equal the
-    packed model's bit for bit. With ``weights="mse"`` the weights it holds are the searched
-    QArrays dequantized, entering their GEMMs as they are (a standard-scale requantization
-    would undo the search). Returns an NNX model, or a bound Linen module."""
+    packed model's bit for bit. With ``weights="mse"`` or ``"gptq"`` the weights it holds are
+    the searched (or GPTQ's) QArrays dequantized, entering their GEMMs as they are (a
+    standard-scale requantization would undo the search). Returns an NNX model, or a bound
+    Linen module."""
     m, rules, sites = prepare(model, rules, calibration, smoothing, weights, example,
                               "simulate")
     kernels = None
-    if weights == "mse":
-        kernels = m.adapter.simulated_weights(_weights(m, sites, rules, smoothing, weights))
-    mode = "serve" if weights == "mse" else "simulate"
+    if weights in ("mse", "gptq"):
+        hessians = None if calibration is None else calibration.hessians
+        kernels = m.adapter.simulated_weights(
+            _weights(m, sites, rules, smoothing, weights, hessians))
+    mode = "serve" if weights in ("mse", "gptq") else "simulate"
     return m.adapter.finish(
         _rebuild(m, sites, rules, calibration, smoothing, mode, implementation, kernels)
     )

@@ -10,6 +10,7 @@ import pathlib
 import re
 from collections.abc import Callable, Iterable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -45,6 +46,8 @@ class Calibration:
       channel_amax: site path -> float32 ``[K]``, the per-input-channel max of ``|x|``.
       samples: site path -> float32 ``[rows, K]``, the first activation rows seen (kept by
         ``calibrate(..., "mse")`` only, for ``"mse"``; not serialised).
+      hessians: site path -> float32 ``[K, K]``, ``sum x^T x`` of the site's activation over
+        every calibration token (``calibrate(..., hessians=True)`` only; not serialised).
     """
 
     amax: dict[str, float]
@@ -56,6 +59,7 @@ class Calibration:
     histograms: dict[str, _cal.Histogram] = dataclasses.field(default_factory=dict, repr=False)
     channel_amax: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
     samples: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
+    hessians: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
     model: str = ""
 
     def with_method(self, method: str, *, percentile: float | None = None) -> Calibration:
@@ -145,33 +149,44 @@ def _site_amax(cal: Calibration, site: str, method: str, percentile: float) -> f
     return float(_cal.amax(cal.histograms[site], method, format=fmt, percentile=percentile))
 
 
-def _stats_of(lhs, axes: tuple[int, ...], max_rows: int) -> dict:
-    """One call's statistics of a site's activation ``lhs`` contracted over ``axes``."""
+def _stats_of(lhs, axes: tuple[int, ...], max_rows: int, hessians: bool = False) -> dict:
+    """One call's statistics of a site's activation ``lhs`` contracted over ``axes``; with
+    ``hessians``, also ``x^T x`` over the call's tokens (float32 products, float32 sums)."""
     x = jnp.moveaxis(lhs, axes, tuple(range(lhs.ndim - len(axes), lhs.ndim)))
     k = math.prod(x.shape[lhs.ndim - len(axes):])
     x = x.reshape(-1, k).astype(jnp.float32)
-    return {
+    out = {
         "hist": _cal.Histogram.of(x),
         "chan": jnp.max(jnp.abs(x), axis=0),
         "rows": x[:max_rows],
     }
+    if hessians:
+        out["hess"] = jnp.dot(x.T, x, precision=jax.lax.Precision.HIGHEST)
+    return out
 
 
 def _merge_stats(a: dict | None, b: dict, max_rows: int) -> dict:
+    hb = None if "hess" not in b else np.asarray(b["hess"], np.float64)
     if a is None:
-        return {"hist": b["hist"], "chan": np.asarray(b["chan"]), "rows": np.asarray(b["rows"])}
+        out = {"hist": b["hist"], "chan": np.asarray(b["chan"]), "rows": np.asarray(b["rows"])}
+        if hb is not None:
+            out["hess"] = hb
+        return out
     rows = a["rows"]
     if rows.shape[0] < max_rows:
         rows = np.concatenate([rows, np.asarray(b["rows"])[: max_rows - rows.shape[0]]])
-    return {
+    out = {
         "hist": a["hist"].merge(b["hist"]),
         "chan": np.maximum(a["chan"], np.asarray(b["chan"])),
         "rows": rows,
     }
+    if hb is not None:  # batches' (and calls') sums accumulate in float64 on the host
+        out["hess"] = a["hess"] + hb
+    return out
 
 
 def observe_batches(m: Model, rules: Rules, batches, forward, smoothing, max_rows: int,
-                     example=None):
+                     example=None, hessians: bool = False):
     """Run the float model (with ``smoothing`` applied) over ``batches``; per-site stats."""
     batches = iter(batches) if not isinstance(batches, (list, tuple)) else iter(list(batches))
     first = next(batches, None)
@@ -188,7 +203,7 @@ def observe_batches(m: Model, rules: Rules, batches, forward, smoothing, max_row
     sites = quantized_sites(site_list, rules)
     if smoothing is not None:
         smoothing.check(sites, rules)
-    run = observer_fn(m, rules, sites, forward, smoothing, max_rows)
+    run = observer_fn(m, rules, sites, forward, smoothing, max_rows, hessians)
     stats: dict[str, dict] = {}
     n = 0
     for batch in chain(first, batches):
@@ -215,14 +230,14 @@ def _call_model(model, batch):
     return model(batch)
 
 
-def collect(fn, wanted: frozenset, max_rows: int) -> dict[str, dict]:
+def collect(fn, wanted: frozenset, max_rows: int, hessians: bool = False) -> dict[str, dict]:
     """Run ``fn`` observing the ``wanted`` sites: ``{"<call index>|<site>": stats}`` (the
     keys sort in the order the forward reaches the sites; a site called twice has two)."""
     rec: dict[str, dict] = {}
 
     def obs(site, lhs, axes):
         if site in wanted:
-            rec[f"{len(rec):06d}|{site}"] = _stats_of(lhs, axes, max_rows)
+            rec[f"{len(rec):06d}|{site}"] = _stats_of(lhs, axes, max_rows, hessians)
 
     with observing(obs):
         fn()
@@ -234,7 +249,7 @@ def _ordered(rec):
     return [(k.split("|", 1)[1], v) for k, v in sorted(rec.items())]
 
 
-def observer_fn(m: Model, rules, sites, forward, smoothing, max_rows):
+def observer_fn(m: Model, rules, sites, forward, smoothing, max_rows, hessians=False):
     """A function batch -> ``[(site, stats), ...]`` in the order the forward reaches the sites
     (one entry per call of a site), jitted (NNX: compiled once per model structure, forward
     and batch shape, across calls of :func:`calibrate`)."""
@@ -243,7 +258,7 @@ def observer_fn(m: Model, rules, sites, forward, smoothing, max_rows):
     none = _recipes.get("none")
     b = m.adapter.rebuild(m.bound, edits(m, sites, smoothing, lambda p: none), Rules.of(rules),
                           packed=False, observe=True, implementation=None)
-    run = m.adapter.observer(b, call, collect, (wanted, max_rows))
+    run = m.adapter.observer(b, call, collect, (wanted, max_rows, hessians))
     return lambda batch: _ordered(run(batch))
 
 
@@ -258,6 +273,7 @@ def calibrate(
     smoothing: Smoothing | None = None,
     max_rows: int = MAX_ROWS,
     example=None,
+    hessians: bool = False,
 ) -> Calibration:
     """Run the float ``model`` over ``batches`` and calibrate every site ``rules`` quantize.
 
@@ -274,6 +290,11 @@ def calibrate(
         smoothed activations ``x / s`` that the quantizer will see.
       max_rows: activation rows kept per site for ``"mse"`` (other methods keep none).
       example: Linen with ``forward=`` only: inputs to trace the module's sites with.
+      hessians: also record each site's input Hessian ``sum x^T x`` over every calibration
+        token (``x`` the activation as the site's GEMM contracts it, ``[tokens, K]``; float32
+        products, summed in float64 over calls and batches): what GPTQ needs
+        (``quantize(..., weights="gptq")``). Under a sharded mesh the site sees the global
+        activation, so the sum is over every device's tokens.
 
     Raises ``ValueError`` naming the problem: no batches, a rule that reaches no site, a site
     never reached, NaN or Inf in a site's activations, an unknown method.
@@ -286,7 +307,8 @@ def calibrate(
     rules = Rules.of(rules)
     if method != "mse":  # the samples serve "mse" only: not copied out for the others
         max_rows = 0
-    sites, stats, n = observe_batches(m, rules, batches, forward, smoothing, max_rows, example)
+    sites, stats, n = observe_batches(m, rules, batches, forward, smoothing, max_rows, example,
+                                      hessians)
     base = Calibration(
         amax={},
         method=method,
@@ -297,6 +319,8 @@ def calibrate(
         histograms={s.path: stats[s.path]["hist"] for s in sites},
         channel_amax={s.path: np.asarray(stats[s.path]["chan"], np.float32) for s in sites},
         samples={s.path: np.asarray(stats[s.path]["rows"], np.float32) for s in sites},
+        hessians={s.path: np.asarray(stats[s.path]["hess"], np.float32) for s in sites}
+        if hessians else {},
         model=m.name,
     )
     return base.with_method(method, percentile=percentile)
