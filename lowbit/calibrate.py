@@ -43,7 +43,7 @@ from lowbit.core.formats import E4M3, BlockFormat, ElementFormat
 from lowbit.core.numerics import exponent, ieee_div, pow2, round_to_grid
 from lowbit.gemm.operand import scaled_fake_quantize
 from lowbit.gemm.recipes import TENSOR_ELEMENTS
-from lowbit.gptq import gptq
+from lowbit.gptq import gptq, mr_gptq
 
 __all__ = [
     "Histogram",
@@ -51,6 +51,7 @@ __all__ = [
     "block_scales",
     "gptq",
     "kl_divergences",
+    "mr_gptq",
     "METHODS",
     "BLOCK_METHODS",
     "NUM_BINS",

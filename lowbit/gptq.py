@@ -47,10 +47,13 @@ import numpy as np
 from jax import lax
 
 from lowbit.core import formats as _formats
+from lowbit.core import hadamard as _hadamard
 from lowbit.core import qarray as _qa
 from lowbit.core import requantize as _rq
+from lowbit.core.formats import E4M3
+from lowbit.core.numerics import ieee_div, round_to_grid
 
-__all__ = ["gptq", "damped_inverse_factor"]
+__all__ = ["gptq", "mr_gptq", "damped_inverse_factor"]
 
 _HIGHEST = lax.Precision.HIGHEST
 QUANTIZER_OPTIONS = ("scale_mode", "rounding", "block_shape")
@@ -146,13 +149,70 @@ def gptq(w, hessian, format, *, axis: int = 0, block_size: int = 128, damp: floa
     True
     """
     w, h, fmt, axis = _check_args(w, hessian, format, axis, block_size, damp, quantizer_options)
+    return _run(w, h, fmt, axis, block_size, damp, act_order,
+                quantizer_options.get("scale_mode"), search=False)
+
+
+def mr_gptq(w, hessian, format, *, axis: int = 0, hadamard: int | None = None,
+            block_size: int = 128, damp: float = 0.01, act_order: bool = False,
+            scale_search: bool = True, **quantizer_options) -> _qa.QArray:
+    """MR-GPTQ (IST-DASLab/FP-Quant): GPTQ of the weight rotated by block-wise Hadamard
+    transforms, with every block's scale chosen beforehand by a search.
+
+    The rotation: ``w_r = H_b w`` along the contraction axis, ``H_b`` the orthonormal
+    (Sylvester) Hadamard matrix in blocks of ``hadamard`` (default: the format's block, as
+    FP-Quant pairs ``--hadamard_group_size`` with the format's group), and the Hessian
+    ``H_b hessian H_b``: the layer computes ``(x H_b) w_r = x w`` exactly in float, so the
+    served model applies the same transform to its activations (the GEMM's ``hadamard``
+    option, no random signs). FP-Quant @ d2e3092 ``src/transforms/transforms.py:74-84``
+    (``HadamardTransform``, ``fast_hadamard_transform`` with scale ``1/sqrt(b)``).
+
+    The scale search (``scale_search=True``): FP-Quant's MSE observer
+    (``src/quantization/quantizer.py:87-135``), run once on the whole rotated weight before
+    the GPTQ loop (``gptq.py:142``, scales fixed for the loop): per block, the float scales
+    ``c * amax / elem_max`` for ``c = 1 - 0.8 i / 100``, ``i = 0..99``, each scored by
+    ``sum |x - Q(x)|**2.4`` with the float scale, the first best kept; the chosen amax
+    ``c * amax`` then gets the format's scale code (NVFP4 / INT4: ``E4M3(c * amax / elem_max
+    / t)``, which is FP-Quant's cast; MX: lowbit's E8M0 rule ``scale_mode``, default
+    ``"floor"``, where FP-Quant's MXFP4 cast divides the power of two by 3/4, a scale no
+    E8M0 byte holds). FP-Quant supports FP4 only; the search here runs on every element grid.
+
+    Returns the :class:`lowbit.QArray` of ``w_r`` (laid out as ``lb.quantize(w_r, format,
+    axis=axis)``): ``lb.dequantize`` gives the rotated weight; ``hadamard_transform(...,
+    hadamard, axis=axis)`` of it is the quantized weight in the original basis. Arguments and
+    errors as :func:`gptq`; ``hadamard`` a power of two in 16..256 dividing the contraction
+    length.
+    """
+    w, h, fmt, axis = _check_args(w, hessian, format, axis, block_size, damp, quantizer_options)
+    b = fmt.block_size if hadamard is None else hadamard
+    k = w.shape[axis]
+    if b not in (16, 32, 64, 128, 256) or k % b:
+        raise ValueError(f"hadamard={hadamard!r} must be a power of two in 16..256 dividing "
+                         f"the contraction length {k}")
     scale_mode = quantizer_options.get("scale_mode")
+    if scale_search and scale_mode in _FOUR_OVER_SIX:
+        raise ValueError(f"scale_mode={scale_mode!r} chooses each block's scale itself; pass "
+                         "scale_search=False to keep it")
+    w = _hadamard.hadamard_transform(w.astype(jnp.float32), b, axis=axis, method="butterfly")
+    h = h.astype(jnp.float32)
+    h = _hadamard.hadamard_transform(h, b, axis=0, method="butterfly")
+    h = _hadamard.hadamard_transform(h, b, axis=1, method="butterfly")
+    return _run(w, (h + h.T) / 2, fmt, axis, block_size, damp, act_order, scale_mode,
+                search=scale_search)
+
+
+_FOUR_OVER_SIX = ("4over6", "4over6_mae", "4over6_max")
+
+
+def _run(w, h, fmt, axis, block_size, damp, act_order, scale_mode, *, search: bool):
     wt = (w.T if axis == 0 else w).astype(jnp.float32)  # [N, K]: rows outputs, columns inputs
     tamax = jnp.max(jnp.where(jnp.isfinite(wt), jnp.abs(wt), 0.0))
     # the layout, and NVFP4's / INT4's tensor scale of the original weights
     template = _qa.quantize(w, fmt, axis, scale_mode=scale_mode)
+    static = (_searched_scales(wt, template.tensor_scale, fmt=fmt.name, scale_mode=scale_mode)
+              if search else None)
     values, elems, scales, ok = _gptq(wt, h.astype(jnp.float32), tamax, template.tensor_scale,
-                                      fmt=fmt.name, scale_mode=scale_mode,
+                                      static, fmt=fmt.name, scale_mode=scale_mode,
                                       block_size=int(block_size), damp=float(damp),
                                       act_order=bool(act_order))
     try:
@@ -162,6 +222,47 @@ def gptq(w, hessian, format, *, axis: int = 0, block_size: int = 128, damp: floa
     if not concrete_ok:
         raise ValueError(_not_positive_definite(h, damp))
     return _rq.with_elements(template, elems, scales)
+
+
+# FP-Quant's MSE scale observer (src/quantization/quantizer.py:87-135): 100 float scales from
+# the block's max scale down to 0.2 of it, scored by the summed |error| ** 2.4
+SEARCH_STEPS = 100
+SEARCH_SHRINK = 0.80
+SEARCH_NORM = 2.4
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "scale_mode"))
+def _searched_scales(wt, t, *, fmt, scale_mode):
+    """Scale codes ``[N, Kb / b]`` of ``wt [N, K]`` chosen by FP-Quant's MSE observer."""
+    f = _formats.get(fmt)
+    elem, bs = f.elem, f.block_size
+    n, k = wt.shape
+    kb = -(-k // bs) * bs
+    xb = jnp.pad(wt, ((0, 0), (0, kb - k))).reshape(n, kb // bs, bs)
+    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    base = amax / np.float32(elem.max)
+
+    def candidate(carry, i):
+        best_err, best_c = carry
+        c = np.float32(1.0) - i.astype(jnp.float32) * np.float32(SEARCH_SHRINK / SEARCH_STEPS)
+        sc = c * base
+        safe = jnp.where(sc > 0, sc, 1.0)
+        v = jnp.clip(xb / safe, -elem.max, elem.max)
+        deq = round_to_grid(v, elem, saturate=True) * safe
+        err = jnp.sum(jnp.abs(xb - deq) ** np.float32(SEARCH_NORM), axis=-1, keepdims=True)
+        better = err < best_err
+        return (jnp.where(better, err, best_err), jnp.where(better, c, best_c)), None
+
+    init = (jnp.full_like(amax, np.inf), jnp.ones_like(amax))
+    (_, c), _ = lax.scan(candidate, init, jnp.arange(SEARCH_STEPS))
+    chosen = (c * amax)[..., 0]
+    if f.is_mx:
+        e = _qa.mx_scale_exponent(chosen, elem, scale_mode or "floor")
+        return (e + 127).astype(jnp.uint8)
+    s_raw = jnp.minimum(ieee_div(ieee_div(chosen, np.float32(elem.max)), t),
+                        np.float32(E4M3.max))
+    s = round_to_grid(jnp.where(t > 0, s_raw, 0.0), E4M3)
+    return _qa.encode_elements(s, E4M3)
 
 
 def _not_positive_definite(h, damp) -> str:
@@ -189,9 +290,11 @@ def _group_scales(wg, fmt, scale_mode, tamax):
 
 @functools.partial(jax.jit, static_argnames=("fmt", "scale_mode", "block_size", "damp",
                                              "act_order"))
-def _gptq(wt, h, tamax, t, *, fmt, scale_mode, block_size, damp, act_order):
+def _gptq(wt, h, tamax, t, static, *, fmt, scale_mode, block_size, damp, act_order):
     """GPTQ on ``wt [N, K]``: ``(values [N, K], elements [N, Kb], scale codes [N, Kb / b],
-    ok)`` with ``Kb`` = K rounded up to the format's block ``b``."""
+    ok)`` with ``Kb`` = K rounded up to the format's block ``b``. ``static``: every block's
+    scale codes ``[N, Kb / b]`` fixed beforehand (None: chosen as the loop reaches each block,
+    or, with ``act_order``, from the original weights)."""
     f = _formats.get(fmt)
     bs, big = f.block_size, block_size
     n, k = wt.shape
@@ -201,7 +304,11 @@ def _gptq(wt, h, tamax, t, *, fmt, scale_mode, block_size, damp, act_order):
     h = jnp.pad(h, ((0, kp - k), (0, kp - k)))
     dead = jnp.diagonal(h) == 0
     w = jnp.where(dead[None, :], 0.0, w)
-    static = _static_scales(w, f, scale_mode, tamax) if act_order else None
+    if static is not None:
+        static = jnp.pad(static, ((0, 0), (0, kp // bs - static.shape[1])))
+    elif act_order:
+        static = _static_scales(w, f, scale_mode, tamax)
+    fixed = static is not None
     perm = jnp.argsort(-jnp.diagonal(jnp.where(jnp.eye(kp, dtype=bool) & dead[:, None], 1.0, h)),
                        stable=True) if act_order else jnp.arange(kp)
     if act_order:
@@ -217,7 +324,7 @@ def _gptq(wt, h, tamax, t, *, fmt, scale_mode, block_size, damp, act_order):
 
         def column(i, c):
             w1, v1, e1, err1, codes, scales = c
-            if act_order:
+            if fixed:
                 codes = jnp.take(static, perm[i1 + i] // bs, axis=1)
             else:
                 fresh = lax.cond(
@@ -249,7 +356,9 @@ def _gptq(wt, h, tamax, t, *, fmt, scale_mode, block_size, damp, act_order):
     _, vals, elems, scales = lax.fori_loop(0, kp // big, batch, (w, zeros, zeros, scales0))
     if act_order:
         inv = jnp.argsort(perm)
-        vals, elems, scales = vals[:, inv], elems[:, inv], static
+        vals, elems = vals[:, inv], elems[:, inv]
+    if fixed:
+        scales = static
     return vals[:, :k], elems[:, :kb], scales[:, : kb // bs], ok
 
 

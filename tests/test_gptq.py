@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import lowbit as lb
+from lowbit.core.hadamard import hadamard_transform
 from lowbit.core.requantize import round_on_scales
 from tests import reference as ref
 
@@ -195,3 +196,65 @@ def test_traced_gptq_runs_under_jit():
     f = jax.jit(lambda w, h: lb.dequantize(lb.calibrate.gptq(w, h, "mxfp4")))
     np.testing.assert_array_equal(np.asarray(f(w, h)),
                                   np.asarray(lb.dequantize(lb.calibrate.gptq(w, h, "mxfp4"))))
+
+
+# --------------------------------------------------------------------------------------------
+# MR-GPTQ
+
+
+def _fp_quant_mse_amax(wt, elem_name, elem_max):
+    """FP-Quant's MSE observer (quantizer.py:87-135) in float64: per block of ``wt [N, K/b,
+    b]`` the chosen amax ``c * amax`` (first best of c = 1 - 0.8 i / 100, |err| ** 2.4)."""
+    elem = ref.ELEMS[elem_name]
+    amax = np.max(np.abs(wt), axis=-1)
+    best, chosen = np.full(amax.shape, np.inf), amax.copy()
+    for i in range(100):
+        c = 1 - i * 0.8 / 100
+        sc = np.where(amax > 0, c * amax / elem_max, 1.0)[..., None]
+        deq = ref.round_to_grid(np.clip(wt / sc, -elem_max, elem_max), elem)[0] * sc
+        err = np.sum(np.abs(wt - deq) ** 2.4, axis=-1)
+        better = err < best
+        best, chosen = np.where(better, err, best), np.where(better, c * amax, chosen)
+    return chosen
+
+
+def test_mr_gptq_scale_search_is_fp_quants_observer():
+    """With an identity Hessian GPTQ is round-to-nearest on the fixed scales: the scales are
+    the search's alone. NVFP4's code is E4M3(amax' / 6 / t), FP-Quant's own cast."""
+    x, w = _layer(9, k=64, n=32)
+    q = lb.calibrate.mr_gptq(w, np.eye(64, dtype=np.float32), "nvfp4")
+    wr = np.asarray(hadamard_transform(jnp.asarray(w), 16, axis=0), np.float64)
+    blocks = wr.T.reshape(32, 4, 16)
+    amax = _fp_quant_mse_amax(blocks, "e2m1", 6.0)
+    t = np.float32(np.max(np.abs(wr.astype(np.float32))) / np.float32(2688.0))
+    _, codes = ref.round_to_grid(np.minimum(amax / 6.0 / t, 448.0), ref.ELEMS["e4m3"])
+    assert np.mean(np.asarray(q.scales) == codes) > 0.95
+    assert np.mean(amax < np.max(np.abs(blocks), -1)) > 0.3  # the search shrinks many blocks
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_mr_gptq_rotation_cancels_and_beats_gptq_on_outliers(fmt):
+    x, w = _layer(10, k=256, n=64, outliers=True)
+    h = x.T @ x
+    b = lb.formats.get(fmt).block_size
+    q = lb.calibrate.mr_gptq(w, h, fmt)
+    wr = lb.dequantize(q)  # the rotated weight, quantized
+    # the served layer (x H_b) w_r equals x (H_b w_r): the rotation and its inverse cancel
+    served = hadamard_transform(jnp.asarray(x), b, axis=-1) @ wr
+    direct = jnp.asarray(x) @ hadamard_transform(wr, b, axis=0)
+    np.testing.assert_allclose(np.asarray(served), np.asarray(direct), rtol=1e-4, atol=1e-3)
+    wf = hadamard_transform(jnp.asarray(w), b, axis=0)  # float: exact up to rounding
+    np.testing.assert_allclose(np.asarray(hadamard_transform(jnp.asarray(x), b, axis=-1) @ wf),
+                               np.asarray(x @ w), rtol=1e-4, atol=1e-4)
+    e_mr = _out_err(x, hadamard_transform(wr, b, axis=0), w)
+    e_gptq = _out_err(x, lb.dequantize(lb.calibrate.gptq(w, h, fmt)), w)
+    assert e_mr < 0.5 * e_gptq, (e_mr, e_gptq)
+
+
+def test_mr_gptq_clear_errors():
+    x, w = _layer(11, k=64, n=8)
+    h = x.T @ x
+    with pytest.raises(ValueError, match="hadamard=48 must be a power of two"):
+        lb.calibrate.mr_gptq(w, h, "mxfp4", hadamard=48)
+    with pytest.raises(ValueError, match="scale_search=False"):
+        lb.calibrate.mr_gptq(w, h, "nvfp4", scale_mode="4over6")
