@@ -43,7 +43,7 @@ from lowbit.core.formats import E4M3, BlockFormat, ElementFormat
 from lowbit.core.numerics import exponent, ieee_div, pow2, round_to_grid
 from lowbit.gemm.operand import scaled_fake_quantize
 from lowbit.gemm.recipes import TENSOR_ELEMENTS
-from lowbit.gptq import gptq, mr_gptq
+from lowbit.gptq import gptq, mr_gptq, rotate_hessian
 
 __all__ = [
     "Histogram",
@@ -52,6 +52,7 @@ __all__ = [
     "gptq",
     "kl_divergences",
     "mr_gptq",
+    "rotate_hessian",
     "METHODS",
     "BLOCK_METHODS",
     "NUM_BINS",

@@ -53,7 +53,7 @@ from lowbit.core import requantize as _rq
 from lowbit.core.formats import E4M3
 from lowbit.core.numerics import ieee_div, round_to_grid
 
-__all__ = ["gptq", "mr_gptq", "damped_inverse_factor"]
+__all__ = ["gptq", "mr_gptq", "rotate_hessian", "damped_inverse_factor"]
 
 _HIGHEST = lax.Precision.HIGHEST
 QUANTIZER_OPTIONS = ("scale_mode", "rounding", "block_shape")
@@ -117,7 +117,8 @@ def damped_inverse_factor(hessian, damp: float = 0.01):
 
 
 def gptq(w, hessian, format, *, axis: int = 0, block_size: int = 128, damp: float = 0.01,
-         act_order: bool = False, **quantizer_options) -> _qa.QArray:
+         act_order: bool = False, scale_search: bool = False,
+         **quantizer_options) -> _qa.QArray:
     """GPTQ of the weight ``w`` (2-D) in ``format``, along its contraction axis ``axis``.
 
     Args:
@@ -130,6 +131,8 @@ def gptq(w, hessian, format, *, axis: int = 0, block_size: int = 128, damp: floa
       damp: added to the Hessian's diagonal, as a fraction of its mean diagonal.
       act_order: visit columns by decreasing Hessian diagonal, with every block's scale fixed
         beforehand from the original weights (module docstring).
+      scale_search: fix every block's scale before the loop by FP-Quant's MSE observer (see
+        :func:`mr_gptq`) instead of choosing it as the loop reaches the block.
       quantizer_options: ``scale_mode`` (the format's scale rules; ``rounding="nearest"`` and
         the format's own ``block_shape`` are accepted).
 
@@ -149,8 +152,11 @@ def gptq(w, hessian, format, *, axis: int = 0, block_size: int = 128, damp: floa
     True
     """
     w, h, fmt, axis = _check_args(w, hessian, format, axis, block_size, damp, quantizer_options)
-    return _run(w, h, fmt, axis, block_size, damp, act_order,
-                quantizer_options.get("scale_mode"), search=False)
+    scale_mode = quantizer_options.get("scale_mode")
+    if scale_search and scale_mode in _FOUR_OVER_SIX:
+        raise ValueError(f"scale_mode={scale_mode!r} chooses each block's scale itself; pass "
+                         "scale_search=False to keep it")
+    return _run(w, h, fmt, axis, block_size, damp, act_order, scale_mode, search=scale_search)
 
 
 def mr_gptq(w, hessian, format, *, axis: int = 0, hadamard: int | None = None,
@@ -189,16 +195,20 @@ def mr_gptq(w, hessian, format, *, axis: int = 0, hadamard: int | None = None,
     if b not in (16, 32, 64, 128, 256) or k % b:
         raise ValueError(f"hadamard={hadamard!r} must be a power of two in 16..256 dividing "
                          f"the contraction length {k}")
-    scale_mode = quantizer_options.get("scale_mode")
-    if scale_search and scale_mode in _FOUR_OVER_SIX:
-        raise ValueError(f"scale_mode={scale_mode!r} chooses each block's scale itself; pass "
-                         "scale_search=False to keep it")
     w = _hadamard.hadamard_transform(w.astype(jnp.float32), b, axis=axis, method="butterfly")
-    h = h.astype(jnp.float32)
-    h = _hadamard.hadamard_transform(h, b, axis=0, method="butterfly")
-    h = _hadamard.hadamard_transform(h, b, axis=1, method="butterfly")
-    return _run(w, (h + h.T) / 2, fmt, axis, block_size, damp, act_order, scale_mode,
-                search=scale_search)
+    return gptq(w, rotate_hessian(h, b), fmt, axis=axis, block_size=block_size, damp=damp,
+                act_order=act_order, scale_search=scale_search, **quantizer_options)
+
+
+def rotate_hessian(hessian, block: int, signs=None):
+    """The Hessian of activations rotated by :func:`lowbit.core.hadamard.hadamard_transform`
+    in blocks of ``block`` (with ``signs``): ``T hessian T^T`` for ``T`` the transform, the
+    input Hessian of ``x -> hadamard_transform(x, block, signs=signs)``, made exactly
+    symmetric."""
+    h = jnp.asarray(hessian, jnp.float32)
+    h = _hadamard.hadamard_transform(h, block, signs=signs, axis=0, method="butterfly")
+    h = _hadamard.hadamard_transform(h, block, signs=signs, axis=1, method="butterfly")
+    return (h + h.T) / 2
 
 
 _FOUR_OVER_SIX = ("4over6", "4over6_mae", "4over6_max")

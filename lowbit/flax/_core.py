@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import lowbit as lb
+from lowbit.core import hadamard as _hadamard
 from lowbit.gemm import recipes as _recipes
 from lowbit.gemm.dot_general import einsum_operands, forward_operands
 from lowbit.gemm.implementation import Implementation
@@ -278,21 +279,31 @@ def lowrank_branch(lhs, a, b, out_dtype):
 class SiteTransform:
     """The post-training state of a dense site (``lowbit.ptq``), which the site's op applies
     around its GEMM: ``smooth``, a ``[K]`` vector the activation is divided by first
-    (SmoothQuant; the weight holds ``diag(smooth) @ W``), and ``lowrank = (a [K, r],
+    (SmoothQuant; the weight holds ``diag(smooth) @ W``), ``lowrank = (a [K, r],
     b [r, N])``, a high-precision branch ``(x / smooth) @ a @ b`` added to the output
-    (SVDQuant). Each framework's adapter holds the arrays as parameters of the site (NNX:
-    ``nnx.Param`` s of the op; Linen: ``params`` leaves next to the kernel) and hands the op
-    this object when it runs."""
+    (SVDQuant), and ``rotate``, the ``[b]`` signs of a block-wise Hadamard rotation of the
+    activation after smoothing (MR-GPTQ: each block ``v`` of ``b`` inputs becomes
+    ``H diag(signs) v``, :func:`lowbit.core.hadamard.hadamard_transform`; the weight holds
+    ``H diag(signs)`` applied to its input blocks, so the float GEMM is unchanged). Each
+    framework's adapter holds the arrays as parameters of the site (NNX: ``nnx.Param`` s of
+    the op; Linen: ``params`` leaves next to the kernel) and hands the op this object when it
+    runs."""
 
     smooth: Any = None
     lowrank: tuple[Any, Any] | None = None
+    rotate: Any = None
 
     def check(self, dimension_numbers, lhs_ndim: int, rhs_ndim: int, where: str) -> None:
         check_dense(dimension_numbers, lhs_ndim, rhs_ndim, where)
 
     def lhs(self, lhs):
         """The activation as the GEMM sees it."""
-        return lhs if self.smooth is None else smooth_lhs(lhs, self.smooth)
+        if self.smooth is not None:
+            lhs = smooth_lhs(lhs, self.smooth)
+        if self.rotate is not None:
+            signs = jnp.asarray(self.rotate, jnp.float32)
+            lhs = _hadamard.hadamard_transform(lhs, signs.shape[0], signs=signs, axis=-1)
+        return lhs
 
     def output(self, y, lhs):
         """The site's output: the GEMM's ``y`` plus the branch on the GEMM's ``lhs``."""

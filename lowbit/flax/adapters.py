@@ -180,7 +180,7 @@ class NnxAdapter(Adapter):
     data), parameters in ``nnx.Param`` state."""
 
     name = "nnx"
-    transform_params = ("smooth", "lowrank_a", "lowrank_b")
+    transform_params = ("smooth", "lowrank_a", "lowrank_b", "rotate")
 
     def sites(self, model, rules, args=(), kwargs=None, *, implementation=None):
         if args or kwargs:
@@ -227,7 +227,8 @@ class NnxAdapter(Adapter):
             else:
                 t = e.transform or SiteTransform()
                 op = nnx.DotGeneral(e.recipe, implementation=implementation, site=e.site.path,
-                                    packed=packed, smooth=t.smooth, lowrank=t.lowrank)
+                                    packed=packed, smooth=t.smooth, lowrank=t.lowrank,
+                                    rotate=t.rotate)
                 plan.append((m, "dot_general", op, e.kernel))
         for m, attr, op, w in plan:
             setattr(m, attr, fnnx.data(op))
@@ -318,7 +319,7 @@ class LinenAdapter(Adapter):
     kernel)."""
 
     name = "linen"
-    transform_params = (linen.SMOOTH_PARAM, *linen.LOWRANK_PARAMS)
+    transform_params = (linen.SMOOTH_PARAM, *linen.LOWRANK_PARAMS, linen.ROTATE_PARAM)
 
     def sites(self, model, rules, args=(), kwargs=None, *, implementation=None):
         return self.sites_and_params(model, rules, args, kwargs,
@@ -376,6 +377,8 @@ class LinenAdapter(Adapter):
             if t is not None and t.lowrank is not None:
                 for name, v in zip(linen.LOWRANK_PARAMS, t.lowrank, strict=True):
                     params = _set(params, kparts[:-1] + [name], v)
+            if t is not None and t.rotate is not None:
+                params = _set(params, kparts[:-1] + [linen.ROTATE_PARAM], t.rotate)
         variables = {**b.variables, "params": params}
         if observe:
             module = linen.Quantized(b.model, rules, observe=True)

@@ -222,18 +222,21 @@ def _einsum_call(m: nn.Einsum, op, inputs, einsum_str=None):
 # site's ``kernel`` that the interceptor hands to the site's op.
 SMOOTH_PARAM = "lowbit_smooth"
 LOWRANK_PARAMS = ("lowbit_lowrank_a", "lowbit_lowrank_b")
+ROTATE_PARAM = "lowbit_rotate"  # the [b] signs of a block-wise Hadamard rotation (MR-GPTQ)
 
 
 def _site_transform(m: nn.Module) -> _core.SiteTransform | None:
     """The post-training state of a site, read from its module's params (None: none)."""
-    smooth = lowrank = None
+    smooth = lowrank = rotate = None
     if m.has_variable("params", SMOOTH_PARAM):
         smooth = m.get_variable("params", SMOOTH_PARAM)
     if m.has_variable("params", LOWRANK_PARAMS[0]):
         lowrank = tuple(m.get_variable("params", n) for n in LOWRANK_PARAMS)
-    if smooth is None and lowrank is None:
+    if m.has_variable("params", ROTATE_PARAM):
+        rotate = m.get_variable("params", ROTATE_PARAM)
+    if smooth is None and lowrank is None and rotate is None:
         return None
-    return _core.SiteTransform(smooth, lowrank)
+    return _core.SiteTransform(smooth, lowrank, rotate)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,7 +86,9 @@ class DotGeneral(nnx.Module):
     ``smooth`` (``[K]``) and ``lowrank`` (``(a [K, r], b [r, N])``): the post-training state
     of a dense site (:mod:`lowbit.ptq`), held as ``nnx.Param`` s ``smooth``, ``lowrank_a``,
     ``lowrank_b`` (so they are packed, saved and restored with the weights): the activation
-    is divided by ``smooth`` and ``(x / smooth) @ a @ b`` added to the output.
+    is divided by ``smooth`` and ``(x / smooth) @ a @ b`` added to the output; ``rotate``
+    (``[b]`` signs, the ``nnx.Param`` ``rotate``): the activation is then rotated by the
+    block-wise Hadamard transform of ``b`` (:class:`lowbit.flax._core.SiteTransform`).
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class DotGeneral(nnx.Module):
         packed: bool = False,
         smooth=None,
         lowrank=None,
+        rotate=None,
     ):
         self.recipe = _recipes.get(recipe)
         self.implementation = resolve(implementation)
@@ -106,6 +109,7 @@ class DotGeneral(nnx.Module):
         self.packed = packed  # the weight enters pre-quantized (a PackedModel's site)
         self.stream = nnx.data(_stream(rngs, (self.recipe,), f"DotGeneral({self.recipe.name!r})"))
         self.smooth = nnx.Param(jnp.asarray(smooth, jnp.float32)) if smooth is not None else None
+        self.rotate = nnx.Param(jnp.asarray(rotate, jnp.float32)) if rotate is not None else None
         if lowrank is not None:
             a, b = lowrank
             self.lowrank_a, self.lowrank_b = nnx.Param(jnp.asarray(a)), nnx.Param(jnp.asarray(b))
@@ -132,13 +136,14 @@ class DotGeneral(nnx.Module):
 
     def transform(self) -> _core.SiteTransform | None:
         """The site's post-training state as the op applies it (None: none)."""
-        if self.smooth is None and self.lowrank_a is None:
+        if self.smooth is None and self.lowrank_a is None and self.rotate is None:
             return None
         lowrank = None
         if self.lowrank_a is not None:
             lowrank = (self.lowrank_a.get_value(), self.lowrank_b.get_value())
         smooth = self.smooth.get_value() if self.smooth is not None else None
-        return _core.SiteTransform(smooth, lowrank)
+        rotate = self.rotate.get_value() if self.rotate is not None else None
+        return _core.SiteTransform(smooth, lowrank, rotate)
 
     def __call__(
         self,

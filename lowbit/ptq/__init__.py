@@ -50,12 +50,13 @@ from lowbit.ptq.build import bits_per_param, quantize, simulate
 from lowbit.ptq.calibration import Calibration, calibrate, site_rules
 from lowbit.ptq.sites import ALPHAS, MAX_ROWS, WEIGHT_METHODS
 from lowbit.ptq.smoothing import smooth, svdquant
-from lowbit.ptq.transforms import Smoothing
+from lowbit.ptq.transforms import Smoothing, rotation
 
 __all__ = [
     "Calibration",
     "Smoothing",
     "calibrate",
+    "rotation",
     "smooth",
     "svdquant",
     "quantize",

@@ -26,7 +26,7 @@ from lowbit.ptq.sites import (
     model_sites,
     quantized_sites,
 )
-from lowbit.ptq.transforms import Smoothing, edits, site_kernel
+from lowbit.ptq.transforms import Smoothing, edits, rotation, site_kernel
 
 
 def prepare(model, rules, calibration, smoothing, weights, example, where):
@@ -69,7 +69,33 @@ def prepare(model, rules, calibration, smoothing, weights, example, where):
     return m, rules, sites
 
 
-def _gptq_weight(w, spec, layout: Layout, hessian, path: str) -> QArray:
+def _site_hessians(calibration, smoothing, sites) -> dict[str, Any]:
+    """site path -> the Hessian of the activation as the site's GEMM sees it: recorded under
+    the same rotation, or rotated here (exact: the Hessian of ``x -> T x`` is ``T H T^T``)
+    when only the weight is rotated and the calibration holds no static activation scale
+    that the rotation would change."""
+    rot = {} if smoothing is None else smoothing.rotations
+    out = {}
+    for site in sites:
+        p = site.path
+        h = calibration.hessians.get(p)
+        had, want = calibration.rotations.get(p), (np.shape(rot[p])[0] if p in rot else None)
+        if h is None or had == want:
+            out[p] = h
+            continue
+        if had is not None or calibration.formats.get(p) is not None:
+            raise ValueError(
+                f"quantize: site {p!r} was calibrated with rotation {had} but is quantized with "
+                f"rotation {want}: calibrate with the same transform (ptq.calibrate(..., "
+                "smoothing=ptq.rotation(model, rules), hessians=True)) so that its static "
+                "activation scale and Hessian are the rotated activation's"
+            )
+        signs = jnp.asarray(rot[p], jnp.float32)
+        out[p] = _cal.rotate_hessian(h, want, signs) if want else h
+    return out
+
+
+def _gptq_weight(w, spec, layout: Layout, hessian, path: str, search=False) -> QArray:
     """GPTQ of a site's weight from its recorded Hessian, in the layout ``pack_weight`` gives
     (the weight's other axes flattened for GPTQ's columns, then put back)."""
     where = f"quantize: site {path!r}"
@@ -86,7 +112,7 @@ def _gptq_weight(w, spec, layout: Layout, hessian, path: str) -> QArray:
     if spec.tensor_block is not None:
         opts["tensor_block"] = spec.tensor_block  # (gptq says it does not take it)
     try:
-        q = _cal.gptq(w2, hessian, spec.format, axis=0, **opts)
+        q = _cal.gptq(w2, hessian, spec.format, axis=0, scale_search=search, **opts)
     except (ValueError, TypeError) as e:
         raise type(e)(f"{where}: {e}") from None
     std = pack_weight(w, spec, layout)
@@ -97,8 +123,8 @@ def _gptq_weight(w, spec, layout: Layout, hessian, path: str) -> QArray:
 def _packed_weight(w, spec, layout: Layout, weights: str, hessian=None, path="") -> QArray:
     if weights == "max":
         return pack_weight(w, spec, layout)
-    if weights == "gptq":
-        return _gptq_weight(w, spec, layout, hessian, path)
+    if weights in ("gptq", "mr-gptq"):
+        return _gptq_weight(w, spec, layout, hessian, path, search=weights == "mr-gptq")
     two_d = spec.block_shape is not None and len(spec.block_shape) == 2
     axis = (layout.axis, layout.other_axis) if two_d else layout.axis
     return _cal.block_scales(w, spec.format, "mse", axis=axis, block_shape=spec.block_shape)
@@ -138,7 +164,11 @@ def quantize(
     scale search, :func:`lowbit.calibrate.block_scales`; ``"gptq"``: GPTQ,
     :func:`lowbit.calibrate.gptq`, from the site's input Hessian that ``calibration`` recorded
     with ``hessians=True``; with ``smoothing``, calibrate with the same smoothing so that the
-    Hessian is the smoothed activations'), and its activation quantized in
+    Hessian is the smoothed activations'; ``"mr-gptq"``: MR-GPTQ, GPTQ with FP-Quant's scale
+    search in a basis rotated by block-wise Hadamard transforms, :func:`lowbit.ptq.rotation`
+    added to ``smoothing`` when it has none: the served sites rotate their activations
+    online, and a recipe that quantizes activations with calibrated scales needs the
+    calibration made under that rotation), and its activation quantized in
     every call with the calibrated static amax (``calibration``; None: dynamic scales, a
     direct cast). ``smoothing`` (:func:`smooth` / :func:`svdquant`): smoothed sites hold the
     folded weight ``diag(s) W - L1 L2`` (packed), the vector ``s`` and the branch as
@@ -152,15 +182,30 @@ def quantize(
     Raises ``ValueError`` for a calibration or smoothing of another model (sites or shapes
     that do not match), an unknown ``weights`` method, or a recipe that cannot be packed.
     """
+    smoothing = _mr_basis(model, rules, smoothing, weights, example)
     m, rules, sites = prepare(model, rules, calibration, smoothing, weights, example,
                               "quantize")
-    if weights == "gptq" and (calibration is None or not calibration.hessians):
-        raise ValueError("quantize: weights='gptq' needs a calibration with the sites' input "
-                         "Hessians: ptq.calibrate(model, rules, batches, hessians=True)")
     packed_w = _weights(m, sites, rules, smoothing, weights,
-                        None if calibration is None else calibration.hessians)
+                        _hessians(calibration, smoothing, sites, weights))
     serving = _rebuild(m, sites, rules, calibration, smoothing, "serve", implementation)
     return m.adapter.served(serving, sites, packed_w)
+
+
+def _mr_basis(model, rules, smoothing, weights, example):
+    """``weights="mr-gptq"`` quantizes in MR-GPTQ's rotated basis: ``smoothing`` with
+    :func:`lowbit.ptq.rotation`'s rotations added where it has none."""
+    if weights != "mr-gptq" or (smoothing is not None and smoothing.rotations):
+        return smoothing
+    return rotation(model, rules, smoothing=smoothing, example=example)
+
+
+def _hessians(calibration, smoothing, sites, weights):
+    if weights not in ("gptq", "mr-gptq"):
+        return None
+    if calibration is None or not calibration.hessians:
+        raise ValueError(f"quantize: weights={weights!r} needs a calibration with the sites' "
+                         "input Hessians: ptq.calibrate(model, rules, batches, hessians=True)")
+    return _site_hessians(calibration, smoothing, sites)
 
 
 def _recipe_of(rules: Rules, calibration, mode: str):
@@ -205,14 +250,16 @@ def simulate(
     the searched (or GPTQ's) QArrays dequantized, entering their GEMMs as they are (a
     standard-scale requantization would undo the search). Returns an NNX model, or a bound
     Linen module."""
+    smoothing = _mr_basis(model, rules, smoothing, weights, example)
     m, rules, sites = prepare(model, rules, calibration, smoothing, weights, example,
                               "simulate")
     kernels = None
-    if weights in ("mse", "gptq"):
-        hessians = None if calibration is None else calibration.hessians
-        kernels = m.adapter.simulated_weights(
-            _weights(m, sites, rules, smoothing, weights, hessians))
-    mode = "serve" if weights in ("mse", "gptq") else "simulate"
+    searched = weights in ("mse", "gptq", "mr-gptq")
+    if searched:
+        kernels = m.adapter.simulated_weights(_weights(
+            m, sites, rules, smoothing, weights, _hessians(calibration, smoothing, sites,
+                                                           weights)))
+    mode = "serve" if searched else "simulate"
     return m.adapter.finish(
         _rebuild(m, sites, rules, calibration, smoothing, mode, implementation, kernels)
     )

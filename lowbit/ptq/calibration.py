@@ -48,6 +48,9 @@ class Calibration:
         ``calibrate(..., "mse")`` only, for ``"mse"``; not serialised).
       hessians: site path -> float32 ``[K, K]``, ``sum x^T x`` of the site's activation over
         every calibration token (``calibrate(..., hessians=True)`` only; not serialised).
+      rotations: site path -> the block of the Hadamard rotation the activation had when it
+        was calibrated (``calibrate(..., smoothing=ptq.rotation(...))``); its statistics and
+        Hessian are the rotated activation's.
     """
 
     amax: dict[str, float]
@@ -60,6 +63,7 @@ class Calibration:
     channel_amax: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
     samples: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
     hessians: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
+    rotations: dict[str, int] = dataclasses.field(default_factory=dict)
     model: str = ""
 
     def with_method(self, method: str, *, percentile: float | None = None) -> Calibration:
@@ -86,6 +90,7 @@ class Calibration:
             "amax": {k: float(v) for k, v in self.amax.items()},
             "formats": dict(self.formats),
             "weights": {k: list(v) for k, v in self.weights.items()},
+            "rotations": dict(self.rotations),
             "channel_amax": {k: np.asarray(v, np.float32).tolist()
                              for k, v in self.channel_amax.items()},
             "histograms": {
@@ -116,6 +121,7 @@ class Calibration:
             percentile=float(d.get("percentile", 99.99)),
             formats=dict(d.get("formats", {})),
             weights={k: tuple(v) for k, v in d.get("weights", {}).items()},
+            rotations={k: int(v) for k, v in d.get("rotations", {}).items()},
             histograms=hists,
             channel_amax={k: np.asarray(v, np.float32)
                           for k, v in d.get("channel_amax", {}).items()},
@@ -321,6 +327,8 @@ def calibrate(
         samples={s.path: np.asarray(stats[s.path]["rows"], np.float32) for s in sites},
         hessians={s.path: np.asarray(stats[s.path]["hess"], np.float32) for s in sites}
         if hessians else {},
+        rotations={} if smoothing is None else {
+            p: int(np.shape(v)[0]) for p, v in smoothing.rotations.items()},
         model=m.name,
     )
     return base.with_method(method, percentile=percentile)

@@ -13,7 +13,7 @@ from lowbit.gemm.recipes import QuantSpec, Recipe
 from lowbit.io.tree import keypath_str, path_str
 
 ALPHAS = tuple(i / 20 for i in range(21))  # the smoothing exponent grid, 0 .. 1
-WEIGHT_METHODS = ("max", "mse", "gptq")
+WEIGHT_METHODS = ("max", "mse", "gptq", "mr-gptq")
 MAX_ROWS = 2048  # activation rows kept per site for "mse" and the smoothing search
 ATTN = (ATTN_SCORES, ATTN_VALUES)
 
