@@ -117,3 +117,24 @@ def test_bench_calibrate_quick_reports_the_per_batch_ratio(tmp_path):
     per = rows["calibrate (per batch)"]
     assert per["bound"] == bench_calibrate.BOUND and per["ok"] == (per["x_forward"] <= 1.5)
     assert all(r["k_batches_ms"] > 0 for r in rows.values())
+
+
+def test_bench_gptq_quick_orders_rtn_gptq_mr_gptq(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_qwix(name, *args, **kwargs):  # the row without qwix: left out, said so
+        if name == "qwix" or name.startswith("qwix."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_qwix)
+    from benchmarks import bench_gptq
+
+    rows = bench_gptq.bench_layer(64, 32, 256, runs=1)
+    err = {r["method"]: r["rel_err"] for r in rows}
+    assert not any("qwix" in m for m in err)
+    for fmt in bench_gptq.FORMATS:
+        assert err[f"lowbit mr-gptq {fmt}"] < err[f"lowbit gptq {fmt}"] < err[f"rtn {fmt}"]
+    assert all(r["median_s"] > 0 and r["first_s"] > 0 for r in rows)
