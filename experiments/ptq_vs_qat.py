@@ -19,6 +19,11 @@ row                what it is
                    calibration of the smoothed activations and MSE weight scales
 ``svdquant``       SVDQuant: smoothing and a rank-``svd_rank`` bf16 branch, the residual
                    quantized (calibrated and MSE-scaled as above)
+``gptq``           GPTQ weights (``lb.calibrate.gptq`` from each site's recorded input
+                   Hessian) with the ``mse`` calibration (``config.gptq``)
+``mr-gptq``        MR-GPTQ: the same in a block-wise Hadamard-rotated basis (``ptq.rotation``,
+                   calibrated rotated) with FP-Quant's scale search (``config.gptq``)
+``gptq+4over6``    NVFP4 formats: GPTQ with Four Over Six weight block scales (``config.gptq``)
 ``qat``            the float checkpoint fine-tuned ``qat_steps`` under the format's
                    ``qat_<format>`` (or ``w4a16_*``) recipe (``init_from``), then packed
 =================  ==========================================================================
@@ -143,6 +148,8 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
             cal_v = ptq.calibrate(model, rules, batches, "mse", smoothing=sv)
             add(fmt, "svdquant", ptq.quantize(model, rules, cal_v, weights="mse", smoothing=sv),
                 {"alpha": sv.alpha, "rank": sv.rank})
+        if c.get("gptq", False):
+            _gptq_rows(model, rules, batches, c, fmt, add)
         if int(c.qat_steps) > 0:
             qc = fine_tune_config(
                 base, recipe=recipe, name=f"{group}/qat-{recipe}-s{cfg.seed}",
@@ -170,6 +177,31 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
         "seconds": time.perf_counter() - t0,
     }
     return result
+
+
+def four_over_six_weights(recipe) -> lb.Recipe:
+    """``recipe`` with Four Over Six block scales for its NVFP4 forward weight (the
+    activation as it was)."""
+    r = lb.recipes.get(recipe)
+    rhs = dataclasses.replace(r.fwd.rhs, scale_mode="4over6")
+    return r.replace(name=f"{r.name}+w4over6", fwd=dataclasses.replace(r.fwd, rhs=rhs))
+
+
+def _gptq_rows(model, rules, batches, c, fmt: str, add) -> None:
+    """The GPTQ rows of one format: ``gptq`` (``mse`` calibration, GPTQ weights), ``mr-gptq``
+    (the same under MR-GPTQ's block-wise Hadamard rotation, calibrated rotated) and, for the
+    NVFP4 formats, ``gptq+4over6`` (GPTQ with Four Over Six weight scales)."""
+    p = float(c.percentile)
+    cal = ptq.calibrate(model, rules, batches, "mse", percentile=p, hessians=True)
+    add(fmt, "gptq", ptq.quantize(model, rules, cal, weights="gptq"))
+    rot = ptq.rotation(model, rules)
+    cal_r = ptq.calibrate(model, rules, batches, "mse", percentile=p, hessians=True,
+                          smoothing=rot)
+    add(fmt, "mr-gptq", ptq.quantize(model, rules, cal_r, weights="mr-gptq", smoothing=rot))
+    if "nvfp4" in fmt:
+        rules46 = [(pat, four_over_six_weights(r) if r != "none" else r) for pat, r in rules]
+        cal46 = ptq.calibrate(model, rules46, batches, "mse", percentile=p, hessians=True)
+        add(fmt, "gptq+4over6", ptq.quantize(model, rules46, cal46, weights="gptq"))
 
 
 def render_markdown(result: dict, command: str = "") -> str:

@@ -20,12 +20,17 @@ def test_a_tiny_study_and_qat_recovers_what_ptq_lost(tmp_path):
     c = study_config.get_config("family=digits,size=tiny")
     c.workdir = c.base.workdir = str(tmp_path)
     c.base.train.steps, c.base.train.eval_every, c.base.train.progress = 30, 0, False
-    c.formats, c.methods = "mxfp4", "max"
-    # smoothing and SVDQuant are pinned by tests/test_ptq.py; here the study's plumbing
+    c.formats, c.methods = "mxfp4,w4a16_nvfp4", "max"
+    # smoothing, SVDQuant and GPTQ are pinned by tests/test_ptq*.py; here the study's plumbing
     c.smooth, c.svd_rank, c.qat_steps, c.float_control = False, 0, 10, False
     result = ptq_vs_qat.run_study(c, log=_quiet)
-    rows = {r["row"]: r for r in result["rows"]}
-    assert list(rows) == ["cast", "cal-max", "cal-mse+w-mse", "qat"]
+    rows = {r["row"]: r for r in result["rows"] if r["format"] == "mxfp4"}
+    assert list(rows) == ["cast", "cal-max", "cal-mse+w-mse", "gptq", "mr-gptq", "qat"]
+    nv = [r["row"] for r in result["rows"] if r["format"] == "w4a16_nvfp4"]
+    assert nv == ["cast", "w-mse", "gptq", "mr-gptq", "gptq+4over6", "qat"]
+    # GPTQ packs the same bits; MR-GPTQ adds its rotation's signs, 32 float32s per MXFP4 site
+    # (0.08 bit per weight on this tiny model's few weights)
+    assert rows["gptq"]["bits_weights"] == 4.25 < rows["mr-gptq"]["bits_weights"] < 4.4
     assert result["float"]["val_loss"] > 0 and 0 <= result["float"]["val_accuracy"] <= 1
     # the PTQ'd model loses to float; QAT from the same float checkpoint lowers its loss
     assert rows["cast"]["val_loss"] > result["float"]["val_loss"]
@@ -33,8 +38,8 @@ def test_a_tiny_study_and_qat_recovers_what_ptq_lost(tmp_path):
     assert rows["cast"]["bits_weights"] == rows["qat"]["bits_weights"] == 4.25
     js, md, png = ptq_vs_qat.write(result, tmp_path / "out", "cmd")
     back = json.loads(js.read_text())
-    assert [r["row"] for r in back["rows"]] == list(rows)
-    assert md.read_text().count("| mxfp4 |") == 4 and png.stat().st_size > 0
+    assert [r["row"] for r in back["rows"]] == [r["row"] for r in result["rows"]]
+    assert md.read_text().count("| mxfp4 |") == 6 and png.stat().st_size > 0
 
 
 def test_unknown_format_and_method_are_named():
