@@ -68,6 +68,11 @@ class TrainConfig:
     keep_checkpoints: int = 2
     stop_at: int = 0  # > 0: stop (with a checkpoint) after this step, as an interruption would
     progress: bool = True
+    # Quantization-aware distillation (experiments/distill.py): the float teacher run ("" =
+    # none), the softmax temperature and the distillation term's share of the loss.
+    distill_from: str = ""
+    distill_temperature: float = 1.0
+    distill_weight: float = 1.0
 
     def __post_init__(self):
         for f in ("steps", "batch_size", "log_every", "eval_batches", "keep_checkpoints"):
@@ -87,6 +92,17 @@ class TrainConfig:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
         if not 0 <= self.stop_at <= self.steps:
             raise ValueError(f"train.stop_at must be in [0, steps], got {self.stop_at}")
+        if not isinstance(self.distill_from, str | os.PathLike):
+            raise ValueError(
+                f'train.distill_from: expected a run directory (a path) or "", got '
+                f"{self.distill_from!r}"
+            )
+        if not self.distill_temperature > 0:
+            raise ValueError(
+                f"train.distill_temperature must be > 0, got {self.distill_temperature}")
+        if not 0 <= self.distill_weight <= 1:
+            raise ValueError(f"train.distill_weight must be in [0, 1] (the distillation term's "
+                             f"share of the loss), got {self.distill_weight}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,6 +317,20 @@ class RunConfig:
             )
         if self.init_from:  # resolved once, so config.json and --resume compare one path
             object.__setattr__(self, "init_from", str(Path(self.init_from).expanduser().resolve()))
+        if self.train.distill_from:  # QAD: the teacher is the checkpoint the student starts from
+            teacher = str(Path(self.train.distill_from).expanduser().resolve())
+            object.__setattr__(self, "train",
+                               dataclasses.replace(self.train, distill_from=teacher))
+            if not self.init_from:
+                object.__setattr__(self, "init_from", teacher)
+            elif self.init_from != teacher:
+                raise ConfigError(
+                    f"config.train.distill_from={teacher!r} and init_from={self.init_from!r} "
+                    "differ: the student starts from its teacher (leave init_from empty)"
+                )
+            if self.quant.switch_to is not None:
+                raise ConfigError("config.train.distill_from with quant.switch_to: a precision "
+                                  "schedule under distillation is not supported")
 
     @property
     def run_dir(self) -> Path:
@@ -340,6 +370,9 @@ ADDED = {
     ("init_from",): "",
     ("family",): DEFAULT_FAMILY,
     ("quant", "recipe_version"): 1,
+    ("train", "distill_from"): "",
+    ("train", "distill_temperature"): 1.0,
+    ("train", "distill_weight"): 1.0,
     **{("quant", f.name): f.default for f in dataclasses.fields(QuantConfig)
        if f.name.startswith(("osci_", "out_control", "switch_"))},
 }

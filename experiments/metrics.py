@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
-__all__ = ["read_metrics", "truncate_metrics", "write_json", "finite"]
+__all__ = ["read_metrics", "truncate_metrics", "write_json", "finite", "progress_bar", "NoBar"]
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -52,3 +53,30 @@ def finite(metrics: dict) -> bool:
     parameter (``nonfinite_params``, a count)."""
     ok = all(math.isfinite(float(metrics[k])) for k in ("loss", "grad_norm"))
     return ok and metrics["nonfinite_params"] == 0
+
+
+class NoBar:
+    """A progress display that shows nothing (``tqdm``'s methods the loop calls)."""
+
+    def set_postfix(self, **_):
+        pass
+
+    def update(self, _):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def progress_bar(enabled: bool, start: int, stop: int, name: str):
+    """A ``tqdm`` bar from ``start`` to ``stop`` steps on stderr, or :class:`NoBar`."""
+    if not enabled:
+        return NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=stop, initial=start, desc=name, unit="step", file=sys.stderr, dynamic_ncols=True
+    )

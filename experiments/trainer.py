@@ -46,7 +46,6 @@ import functools
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,8 +72,9 @@ from experiments.config import (
     read_run_config,
 )
 from experiments.configlib import ConfigError
+from experiments.distill import distill_objective
 from experiments.families import DEFAULT_FAMILY
-from experiments.metrics import finite, truncate_metrics, write_json
+from experiments.metrics import finite, progress_bar, truncate_metrics, write_json
 from lowbit import autoquant
 from lowbit.flax import training as lbt
 
@@ -288,16 +288,16 @@ class Trainer:
             in_shardings=(self.state_sharding["params"],),
             out_shardings=self.state_sharding,
         )
-        # The leading (batch) axis of every batch array over both mesh axes.
-        self.batch_sharding = NamedSharding(mesh, P(AXES))
+        self.batch_sharding = NamedSharding(mesh, P(AXES))  # a batch's leading axis: all
         graphdef = self.graphdef
+        self._teacher(cfg)
 
-        def grads_of(state, batch, phase: int = 0):  # phase 1: after a precision switch
+        def grads_of(state, batch, phase: int = 0, teacher=None):  # phase 1: after a switch
             g, key = (graphdef, "rest") if phase == 0 else (self.graphdef2, "rest2")
 
             def objective(params):
                 model = nnx.merge(g, params, state[key], copy=True)
-                loss, metrics = family.loss_fn(model, batch)
+                loss, metrics = self._loss(family, model, batch, teacher)
                 _, _, rest = nnx.split(model, nnx.Param, ...)
                 return loss, (metrics, rest)
 
@@ -306,8 +306,8 @@ class Trainer:
             )
             return grads, metrics, rest
 
-        def step_fn(state, batch, phase: int = 0):
-            grads, metrics, rest = grads_of(state, batch, phase)
+        def step_fn(state, batch, phase: int = 0, teacher=None):
+            grads, metrics, rest = grads_of(state, batch, phase, teacher)
             updates, opt = self.tx.update(grads, state["opt"], state["params"])
             params = optax.apply_updates(state["params"], updates)
             metrics = dict(metrics)
@@ -340,18 +340,48 @@ class Trainer:
             out_shardings=(self.state_sharding, None),
             donate_argnums=0,
         )
+        self._distill_fns(step_fn)
         if second is not None:
             self._schedule_fns(step_fn, grads_of)
         self._out_control_fns()
         # Per eval batch: every output of the family's eval (reduced by family.reduce) ...
-        self.eval_outputs = jax.jit(
-            eval_fn, in_shardings=(self.state_sharding, self.batch_sharding)
-        )
-        # ... and the batch's mean loss alone.
+        self.eval_outputs = jax.jit(eval_fn, in_shardings=(self.state_sharding,
+                                                           self.batch_sharding))  # ... and
+        # the batch's mean loss alone:
         self.eval = jax.jit(
             lambda state, batch: eval_fn(state, batch)["loss"],
             in_shardings=(self.state_sharding, self.batch_sharding),
         )
+
+    def _teacher(self, cfg: RunConfig) -> None:
+        """QAD (experiments/distill.py): the float teacher's graph and non-parameter state; its
+        parameters (``teacher_params``, which train() loads) enter the step as an argument."""
+        self.teacher_params = None
+        if cfg.train.distill_from:
+            self._teacher_def, _, self._teacher_rest = nnx.split(build_float_model(cfg),
+                                                                 nnx.Param, ...)
+
+    def _loss(self, family, model, batch, teacher):
+        """The family's loss, or with a teacher's parameters the distillation objective."""
+        if teacher is None:
+            return family.loss_fn(model, batch)
+        t = self.cfg.train
+        tm = nnx.merge(self._teacher_def, teacher, self._teacher_rest, copy=True)
+        return distill_objective(family.loss_fn, model, tm, batch, t.distill_temperature,
+                                 t.distill_weight)
+
+    def _distill_fns(self, step_fn) -> None:
+        """Under QAD, ``step(state, batch)`` passes the teacher's parameters to the step."""
+        if not self.cfg.train.distill_from:
+            return
+        distilled = jax.jit(
+            lambda state, batch, teacher: step_fn(state, batch, 0, teacher),
+            in_shardings=(self.state_sharding, self.batch_sharding,
+                          self.state_sharding["params"]),
+            out_shardings=(self.state_sharding, None),
+            donate_argnums=0,
+        )
+        self.step = lambda state, batch: distilled(state, batch, self.teacher_params)
 
     def _schedule_fns(self, step_fn, grads_of) -> None:
         """A precision schedule's jitted functions: ``step2`` (the step after the switch) and
@@ -482,6 +512,10 @@ def train(
     trainer = Trainer(cfg, mesh)
     # Read before this run writes anything.
     init_params = None if source is None else _init_params(cfg, trainer, source)
+    if cfg.train.distill_from:  # QAD's teacher: the run the student started from
+        teacher = source if source is not None else check_init_from(cfg)
+        trainer.teacher_params = (init_params if source is not None
+                                  else _init_params(cfg, trainer, teacher))
     # Every process has read what it checks above before process 0 writes anything.
     distributed.barrier("lowbit-checked")
     mngr = checkpoints.run_manager(cfg)
@@ -606,7 +640,7 @@ class _Loop:
         evals = self.family.eval_batches(self.cfg, self.dataset, t.eval_batches)
         self.evals = [trainer.put_batch(b) for b in evals]
         final_val = None  # {"val_loss": ..., ...}
-        self.bar = _progress(t, self.start, self.stop, self.cfg.name) if self.writer else _NoBar()
+        self.bar = progress_bar(t.progress and self.writer, self.start, self.stop, self.cfg.name)
         with open(self.metrics_path if self.writer else os.devnull, "a") as self.mf, self.bar:
             pending = None  # (step, device metrics) of the step before
             self.t_last, self.step_last = None, self.start
@@ -752,26 +786,3 @@ class _Loop:
 def _quiet(*_) -> None:
     pass
 
-
-class _NoBar:
-    def set_postfix(self, **_):
-        pass
-
-    def update(self, _):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _progress(t: TrainConfig, start: int, stop: int, name: str):
-    if not t.progress:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        total=stop, initial=start, desc=name, unit="step", file=sys.stderr, dynamic_ncols=True
-    )
