@@ -18,7 +18,8 @@ quantizing). Fields:
 - ``methods``: the activation calibration methods (``lowbit.calibrate.METHODS``);
   ``percentile`` uses ``percentile``; ``calib_batches`` training batches calibrate.
 - ``smooth`` / ``svd_rank`` (0: no SVDQuant row) / ``svd_iterations``.
-- ``gptq``: the GPTQ, MR-GPTQ and (NVFP4) GPTQ + Four Over Six rows.
+- ``gptq``: the GPTQ, MR-GPTQ and (NVFP4) GPTQ + Four Over Six rows; ``qad``: the QAD row
+  (``qat_steps`` of quantization-aware distillation from the float checkpoint).
 - ``qat_steps`` (0: no QAT), ``qat_lr``: the QAT fine-tune from the float checkpoint
   (``init_from``), fresh AdamW with a ``qat_steps // 10`` warmup; ``float_control``: the same
   fine-tune in float, so that what QAT recovers is told apart from what more training gives.
@@ -67,6 +68,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.svd_rank = rank
     c.svd_iterations = 1
     c.gptq = True
+    c.qad = True
     c.qat_steps = qat_steps
     c.qat_lr = base.train.lr / 5
     c.float_control = True

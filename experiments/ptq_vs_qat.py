@@ -24,6 +24,8 @@ row                what it is
 ``mr-gptq``        MR-GPTQ: the same in a block-wise Hadamard-rotated basis (``ptq.rotation``,
                    calibrated rotated) with FP-Quant's scale search (``config.gptq``)
 ``gptq+4over6``    NVFP4 formats: GPTQ with Four Over Six weight block scales (``config.gptq``)
+``qad``            the QAT fine-tune distilled from the float checkpoint (``config.qad``:
+                   ``train.distill_from``, ``experiments/distill.py``), then packed
 ``qat``            the float checkpoint fine-tuned ``qat_steps`` under the format's
                    ``qat_<format>`` (or ``w4a16_*``) recipe (``init_from``), then packed
 =================  ==========================================================================
@@ -157,6 +159,8 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
             qdir = runs.train_or_reuse(RunConfig.from_config(qc), log)
             _, qmodel = runs.load_trained(qdir)
             add(fmt, "qat", ptq.quantize(qmodel, rules), {"qat_steps": int(c.qat_steps)})
+            if c.get("qad", False):
+                _qad_row(base, recipe, group, cfg, float_dir, c, rules, add, log)
     control = None
     if c.float_control and int(c.qat_steps) > 0:
         fc = fine_tune_config(
@@ -177,6 +181,22 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
         "seconds": time.perf_counter() - t0,
     }
     return result
+
+
+def _qad_row(base, recipe, group, cfg, float_dir, c, rules, add, log) -> None:
+    """``qad``: the QAT fine-tune with the float checkpoint as its distillation teacher
+    (``train.distill_from``, the KL term alone), then packed."""
+    qc = fine_tune_config(
+        base, recipe=recipe, name=f"{group}/qad-{recipe}-s{cfg.seed}",
+        steps=int(c.qat_steps), lr=float(c.qat_lr), init_from=str(float_dir))
+    qc.train.distill_from = str(float_dir)
+    _, qmodel = runs.load_trained(runs.train_or_reuse(RunConfig.from_config(qc), log))
+    add(fmt_of(recipe), "qad", ptq.quantize(qmodel, rules), {"qat_steps": int(c.qat_steps)})
+
+
+def fmt_of(recipe: str) -> str:
+    """The format a recipe of :data:`FORMATS` stands for."""
+    return next(f for f, r in FORMATS.items() if r == recipe)
 
 
 def four_over_six_weights(recipe) -> lb.Recipe:

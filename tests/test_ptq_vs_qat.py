@@ -25,9 +25,9 @@ def test_a_tiny_study_and_qat_recovers_what_ptq_lost(tmp_path):
     c.smooth, c.svd_rank, c.qat_steps, c.float_control = False, 0, 10, False
     result = ptq_vs_qat.run_study(c, log=_quiet)
     rows = {r["row"]: r for r in result["rows"] if r["format"] == "mxfp4"}
-    assert list(rows) == ["cast", "cal-max", "cal-mse+w-mse", "gptq", "mr-gptq", "qat"]
+    assert list(rows) == ["cast", "cal-max", "cal-mse+w-mse", "gptq", "mr-gptq", "qat", "qad"]
     nv = [r["row"] for r in result["rows"] if r["format"] == "w4a16_nvfp4"]
-    assert nv == ["cast", "w-mse", "gptq", "mr-gptq", "gptq+4over6", "qat"]
+    assert nv == ["cast", "w-mse", "gptq", "mr-gptq", "gptq+4over6", "qat", "qad"]
     # GPTQ packs the same bits; MR-GPTQ adds its rotation's signs, 32 float32s per MXFP4 site
     # (0.08 bit per weight on this tiny model's few weights)
     assert rows["gptq"]["bits_weights"] == 4.25 < rows["mr-gptq"]["bits_weights"] < 4.4
@@ -39,7 +39,7 @@ def test_a_tiny_study_and_qat_recovers_what_ptq_lost(tmp_path):
     js, md, png = ptq_vs_qat.write(result, tmp_path / "out", "cmd")
     back = json.loads(js.read_text())
     assert [r["row"] for r in back["rows"]] == [r["row"] for r in result["rows"]]
-    assert md.read_text().count("| mxfp4 |") == 6 and png.stat().st_size > 0
+    assert md.read_text().count("| mxfp4 |") == 7 and png.stat().st_size > 0
 
 
 def test_unknown_format_and_method_are_named():
