@@ -159,8 +159,7 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
             qdir = runs.train_or_reuse(RunConfig.from_config(qc), log)
             _, qmodel = runs.load_trained(qdir)
             add(fmt, "qat", ptq.quantize(qmodel, rules), {"qat_steps": int(c.qat_steps)})
-            if c.get("qad", False):
-                _qad_row(base, recipe, group, cfg, float_dir, c, rules, add, log)
+            _qad_row(base, recipe, group, cfg, float_dir, c, rules, add, log)
     control = None
     if c.float_control and int(c.qat_steps) > 0:
         fc = fine_tune_config(
@@ -185,7 +184,9 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
 
 def _qad_row(base, recipe, group, cfg, float_dir, c, rules, add, log) -> None:
     """``qad``: the QAT fine-tune with the float checkpoint as its distillation teacher
-    (``train.distill_from``, the KL term alone), then packed."""
+    (``train.distill_from``, the KL term alone), then packed (``config.qad``; else none)."""
+    if not c.get("qad", False):
+        return
     qc = fine_tune_config(
         base, recipe=recipe, name=f"{group}/qad-{recipe}-s{cfg.seed}",
         steps=int(c.qat_steps), lr=float(c.qat_lr), init_from=str(float_dir))

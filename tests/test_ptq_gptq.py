@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import lowbit as lb
 import lowbit.ptq as ptq
 
 
@@ -185,3 +186,27 @@ def test_mr_gptq_on_a_linen_model_packs_the_rotation_with_the_weights():
     g = ptq.quantize(bound, rules, cal, weights="gptq", example=batches[0]).unbind()
     y_g = jax.jit(g[0].apply)(g[1], x)
     assert float(jnp.mean((y - ref) ** 2)) < 0.6 * float(jnp.mean((y_g - ref) ** 2))
+
+
+def test_sequential_gptq_takes_each_sites_inputs_from_the_quantized_sites_before_it():
+    model, batches = _model(), _outlier_batches()
+    rules = [(".*", "w4a16_mxfp4")]
+    cal = ptq.calibrate(model, rules, batches, hessians=True)
+    seq = ptq.quantize(model, rules, cal, weights="gptq", sequential=True, batches=batches)
+    one = ptq.quantize(model, rules, cal, weights="gptq")
+    q0 = seq.params["layers"][0]["kernel"].get_value()
+    q1 = seq.params["layers"][2]["kernel"].get_value()
+    # the first site as without sequential; the second from the inputs the quantized first
+    # site gives: relu(x @ Q0 + b0), its x^T x written out here
+    np.testing.assert_array_equal(np.asarray(q0.codes),
+                                  np.asarray(one.params["layers"][0]["kernel"].get_value().codes))
+    x = np.concatenate([np.asarray(b, np.float64) for b in batches])
+    b0 = np.asarray(model.layers[0].bias[...], np.float64)
+    h = np.maximum(x @ np.asarray(q0.dequantize(jnp.float32), np.float64) + b0, 0.0)
+    want = lb.calibrate.gptq(np.asarray(model.layers[2].kernel[...]),
+                             (h.T @ h).astype(np.float32), "mxfp4")
+    assert np.mean(np.asarray(q1.codes) == np.asarray(want.codes)) > 0.9
+    with pytest.raises(ValueError, match="pass batches="):
+        ptq.quantize(model, rules, cal, weights="gptq", sequential=True)
+    with pytest.raises(ValueError, match="sequential=True is GPTQ's"):
+        ptq.quantize(model, rules, cal, weights="max", sequential=True, batches=batches)

@@ -17,7 +17,7 @@ from lowbit.flax._core import Layout, Rules, pack_weight, serving_recipe, weight
 from lowbit.flax.adapters import adapter_for
 from lowbit.gemm.implementation import resolve
 from lowbit.io.tree import is_qarray, keypath_str
-from lowbit.ptq.calibration import Calibration, site_rules, with_amax
+from lowbit.ptq.calibration import Calibration, observe_batches, site_rules, with_amax
 from lowbit.ptq.sites import (
     WEIGHT_METHODS,
     as_model,
@@ -155,6 +155,9 @@ def quantize(
     smoothing: Smoothing | None = None,
     implementation: str | None = None,
     example=None,
+    sequential: bool = False,
+    batches=None,
+    forward=None,
 ):
     """The post-training-quantized model: packed weights, static activation scales.
 
@@ -174,6 +177,12 @@ def quantize(
     folded weight ``diag(s) W - L1 L2`` (packed), the vector ``s`` and the branch as
     parameters. Sites no rule quantizes stay as they are.
 
+    ``sequential=True`` (``"gptq"`` / ``"mr-gptq"``, QEP-style): the sites are quantized in
+    the order the forward reaches them, each from the Hessian of its inputs as the model
+    produces them with the sites before it already quantized (their quantized weights, float
+    arithmetic), recorded again over ``batches`` (``forward(model, batch)`` runs the model,
+    as for :func:`calibrate`; one pass over them per site).
+
     Returns, for an NNX model, a :class:`lowbit.flax.nnx.PackedModel` (call it like the
     model; ``nnx.state`` of it saves with :func:`lowbit.flax.save`); for a bound Linen module,
     the serving module bound to its packed variables (``module, variables = out.unbind()``;
@@ -185,10 +194,42 @@ def quantize(
     smoothing = _mr_basis(model, rules, smoothing, weights, example)
     m, rules, sites = prepare(model, rules, calibration, smoothing, weights, example,
                               "quantize")
-    packed_w = _weights(m, sites, rules, smoothing, weights,
-                        _hessians(calibration, smoothing, sites, weights))
+    hessians = _hessians(calibration, smoothing, sites, weights)
+    if sequential:
+        packed_w = _sequential_weights(m, sites, rules, smoothing, weights, hessians, batches,
+                                       forward, example)
+    else:
+        packed_w = _weights(m, sites, rules, smoothing, weights, hessians)
     serving = _rebuild(m, sites, rules, calibration, smoothing, "serve", implementation)
     return m.adapter.served(serving, sites, packed_w)
+
+
+def _sequential_weights(m, sites, rules, smoothing, weights, hessians, batches, forward,
+                        example) -> dict[str, Any]:
+    """:func:`_weights` site by site in model order, each site's Hessian recorded again with
+    the sites before it holding their quantized weights."""
+    if weights not in ("gptq", "mr-gptq"):
+        raise ValueError(f"quantize: sequential=True is GPTQ's (weights='gptq' or 'mr-gptq'), "
+                         f"got weights={weights!r}")
+    if batches is None:
+        raise ValueError("quantize: sequential=True records each site's Hessian again as the "
+                         "quantized sites before it change its inputs: pass batches=")
+    del hessians  # (checked by the caller) every Hessian is recorded again here
+    batches = list(batches)
+    out: dict[str, Any] = {}
+    held: dict[str, Any] = {}  # site path -> the (dequantized) weight it holds now
+    _, stats, _ = observe_batches(m, rules, batches, forward, smoothing, 0, example,
+                                  hessians=True)
+    order = {p: i for i, p in enumerate(stats)}  # the order the forward reaches the sites
+    for i, site in enumerate(sorted(sites, key=lambda s: order[s.path])):
+        if i:
+            _, stats, _ = observe_batches(m, rules, batches, forward, smoothing, 0, example,
+                                          hessians=True, kernels=held)
+        h = {site.path: stats[site.path]["hess"]}
+        w = _weights(m, [site], rules, smoothing, weights, h)[site.path]
+        out[site.path] = w
+        held[site.path] = w.dequantize(jnp.float32) if isinstance(w, QArray) else w
+    return out
 
 
 def _mr_basis(model, rules, smoothing, weights, example):

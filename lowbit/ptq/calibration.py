@@ -192,7 +192,7 @@ def _merge_stats(a: dict | None, b: dict, max_rows: int) -> dict:
 
 
 def observe_batches(m: Model, rules: Rules, batches, forward, smoothing, max_rows: int,
-                     example=None, hessians: bool = False):
+                     example=None, hessians: bool = False, kernels=None):
     """Run the float model (with ``smoothing`` applied) over ``batches``; per-site stats."""
     batches = iter(batches) if not isinstance(batches, (list, tuple)) else iter(list(batches))
     first = next(batches, None)
@@ -209,7 +209,7 @@ def observe_batches(m: Model, rules: Rules, batches, forward, smoothing, max_row
     sites = quantized_sites(site_list, rules)
     if smoothing is not None:
         smoothing.check(sites, rules)
-    run = observer_fn(m, rules, sites, forward, smoothing, max_rows, hessians)
+    run = observer_fn(m, rules, sites, forward, smoothing, max_rows, hessians, kernels)
     stats: dict[str, dict] = {}
     n = 0
     for batch in chain(first, batches):
@@ -255,15 +255,17 @@ def _ordered(rec):
     return [(k.split("|", 1)[1], v) for k, v in sorted(rec.items())]
 
 
-def observer_fn(m: Model, rules, sites, forward, smoothing, max_rows, hessians=False):
+def observer_fn(m: Model, rules, sites, forward, smoothing, max_rows, hessians=False,
+                kernels=None):
     """A function batch -> ``[(site, stats), ...]`` in the order the forward reaches the sites
     (one entry per call of a site), jitted (NNX: compiled once per model structure, forward
-    and batch shape, across calls of :func:`calibrate`)."""
+    and batch shape, across calls of :func:`calibrate`). ``kernels``: site path -> the weight
+    a site holds instead of its own (sequential GPTQ: the sites quantized so far)."""
     wanted = frozenset(s.path for s in sites)
     call = forward or _call_model
     none = _recipes.get("none")
-    b = m.adapter.rebuild(m.bound, edits(m, sites, smoothing, lambda p: none), Rules.of(rules),
-                          packed=False, observe=True, implementation=None)
+    b = m.adapter.rebuild(m.bound, edits(m, sites, smoothing, lambda p: none, kernels),
+                          Rules.of(rules), packed=False, observe=True, implementation=None)
     run = m.adapter.observer(b, call, collect, (wanted, max_rows, hessians))
     return lambda batch: _ordered(run(batch))
 
