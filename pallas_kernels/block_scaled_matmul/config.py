@@ -80,8 +80,8 @@ def get_default(
     with 4 warps a thread holds a 128-register accumulator besides its share of both decoded
     128x64 tiles) and 592 to 1,400 B at 16x64x256 (a thread decodes 128 elements of B's tile
     per step), every format but MXINT8. With 8 warps the
-    accumulator and each decoded tile are half per thread: 128x128x64 needs 162 (MXFP4) to
-    222 (E4M3 x E5M2) registers and nothing spills; decode at 16x64x128 needs 93 to 159
+    accumulator and each decoded tile are half per thread: 128x128x64 needs 128 (MXFP6) to
+    222 (E4M3 x E5M2) registers and nothing spills; decode at 16x64x128 needs 80 (NVFP4) to 159
     (16x64x256 with 8 warps still spilled 200 to 280 B for MXFP8). No configuration that
     this function picks for ``gpu_check``'s shapes spills on either target
     (``tests/test_gpu_aot.py`` holds the report to that).
