@@ -15,7 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["read_metrics", "truncate_metrics", "write_json", "finite", "progress_bar", "NoBar"]
+__all__ = ["read_metrics", "truncate_metrics", "write_json", "finite", "progress_bar", "NoBar",
+           "LineProgress"]
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -71,12 +72,36 @@ class NoBar:
         return False
 
 
-def progress_bar(enabled: bool, start: int, stop: int, name: str):
-    """A ``tqdm`` bar from ``start`` to ``stop`` steps on stderr, or :class:`NoBar`."""
+class LineProgress(NoBar):
+    """Progress for a log that is not a terminal (a pipe, a file): one plain line every
+    ``every`` steps and at the last, never a carriage return."""
+
+    def __init__(self, start: int, stop: int, name: str, stream, every: int = 0):
+        self.step, self.stop, self.name, self.stream = start, stop, name, stream
+        self.every = every or max(1, (stop - start) // 20)
+        self.postfix: dict = {}
+
+    def set_postfix(self, **kw):
+        self.postfix = kw
+
+    def update(self, n):
+        self.step += n
+        if self.step % self.every == 0 or self.step >= self.stop:
+            extra = "".join(f" {k}={v}" for k, v in self.postfix.items())
+            print(f"{self.name}: step {self.step}/{self.stop}{extra}", file=self.stream,
+                  flush=True)
+
+
+def progress_bar(enabled: bool, start: int, stop: int, name: str, stream=None):
+    """A ``tqdm`` bar from ``start`` to ``stop`` steps on ``stream`` (stderr) when it is a
+    terminal, a :class:`LineProgress` when it is not, or :class:`NoBar`."""
     if not enabled:
         return NoBar()
+    stream = sys.stderr if stream is None else stream
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        return LineProgress(start, stop, name, stream)
     from tqdm.auto import tqdm
 
     return tqdm(
-        total=stop, initial=start, desc=name, unit="step", file=sys.stderr, dynamic_ncols=True
+        total=stop, initial=start, desc=name, unit="step", file=stream, dynamic_ncols=True
     )

@@ -496,6 +496,9 @@ def train(
     ``init_from`` that is not a run with a checkpoint of the same model included).
     """
     has_ckpt, source = _check_start(cfg, resume)
+    if resume and not has_ckpt:  # said, not silent: the run did not exist (or never saved)
+        log(f"--resume: no checkpoint under {cfg.run_dir / 'checkpoints'}; starting "
+            f"{cfg.name} from step 0")
     family = family_of(cfg)
     writer = distributed.is_writer()  # process 0 writes the run's files (one process: it)
     if writer:  # builds the tokenized cache when missing; the others read it when it is there

@@ -1,0 +1,50 @@
+"""What a new user hits (issue 29), one test per point fixed: ``--resume`` of a run that does
+not exist says so; progress in a piped log is plain lines; the package metadata installs
+without setuptools' deprecation."""
+
+from __future__ import annotations
+
+import io
+import tomllib
+from pathlib import Path
+
+from experiments import trainer
+from experiments.config import RunConfig
+from experiments.metrics import LineProgress, NoBar, progress_bar
+from tests.test_train import corpus, tiny  # noqa: F401 (corpus: a fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_resume_of_a_run_that_does_not_exist_says_it_starts_from_scratch(
+        tmp_path, corpus):  # noqa: F811
+    said = []
+    cfg = RunConfig.from_config(tiny(tmp_path, corpus, steps=4, warmup_steps=1, eval_every=0,
+                                     checkpoint_every=0))
+    trainer.train(cfg, resume=True, log=said.append)
+    assert any("--resume: no checkpoint under" in s and "from step 0" in s for s in said), said
+    said.clear()
+    trainer.train(cfg, resume=True, log=said.append)  # now it has one: resumed, not restarted
+    assert not any("no checkpoint" in s for s in said) and any("resumed" in s for s in said)
+
+
+def test_progress_in_a_pipe_is_plain_lines_without_carriage_returns():
+    out = io.StringIO()  # not a terminal
+    bar = progress_bar(True, 0, 40, "gpt-tiny/mxfp4-s0", stream=out)
+    assert isinstance(bar, LineProgress)
+    with bar:
+        for s in range(40):
+            bar.set_postfix(loss=f"{1 / (s + 1):.3f}")
+            bar.update(1)
+    text = out.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert len(lines) == 20 and lines[-1] == "gpt-tiny/mxfp4-s0: step 40/40 loss=0.025"
+    assert isinstance(progress_bar(False, 0, 40, "x"), NoBar)
+
+
+def test_license_is_an_spdx_string():
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "Apache-2.0"  # not the deprecated { text = ... }
+    assert any(r.startswith("setuptools>=") and int(r.split(">=")[1].split(".")[0]) >= 77
+               for r in meta["build-system"]["requires"])
