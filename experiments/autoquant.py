@@ -62,7 +62,7 @@ import lowbit.autoquant as aq
 import lowbit.ptq as ptq
 from experiments import compare, runs, studylib
 from experiments.config import RunConfig, fine_tune_config, split_list
-from experiments.configlib import ConfigError
+from experiments.configlib import ConfigError, parse_flags_or_exit
 from experiments.model import loss_fn as gpt_loss_fn
 
 __all__ = [
@@ -581,4 +581,4 @@ if __name__ == "__main__":
     from ml_collections import config_flags
 
     _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/autoquant.py:...")
-    app.run(main)
+    app.run(main, flags_parser=parse_flags_or_exit)

@@ -37,7 +37,7 @@ import numpy as np
 
 from experiments import distributed, metrics, runs, studylib
 from experiments.config import RunConfig
-from experiments.configlib import ConfigError
+from experiments.configlib import ConfigError, parse_flags_or_exit
 
 __all__ = [
     "RecipeResult",
@@ -445,4 +445,4 @@ if __name__ == "__main__":
     _RERUN = flags.DEFINE_bool("rerun", False, "train runs again even when they finished")
     _START = distributed.define_flags()
     flags.mark_flags_as_required(["config"])
-    app.run(main)
+    app.run(main, flags_parser=parse_flags_or_exit)

@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 
 import ml_collections
 
-__all__ = ["ConfigError", "parse_arg", "load_config", "to_dataclass", "to_plain"]
+__all__ = ["ConfigError", "parse_arg", "load_config", "to_dataclass", "to_plain",
+           "parse_flags_or_exit", "one_line"]
 
 T = TypeVar("T")
 
@@ -105,3 +106,37 @@ def to_dataclass(cls: type[T], section: Any, name: str) -> T:
         return cls(**values)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.{name}: {e}") from e
+
+
+def one_line(e: BaseException) -> str:
+    """An error as one line: the innermost cause's message, with ml_collections' quoted
+    "unknown field" form (``'\\'stesp\\'\\nDid you mean "steps" ...'``) made readable."""
+    chain = [e]
+    while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    hinted = [c for c in chain if isinstance(c, (AttributeError, KeyError))
+              and "Did you mean" in str(c)]
+    e = hinted[-1] if hinted else chain[-1]
+    msg = str(e)
+    if isinstance(e, (AttributeError, KeyError)):
+        msg = msg.strip("'\"").replace("\\'", "'").replace("\\n", "\n")
+        name, _, hint = msg.partition("\n")
+        msg = f"unknown config field {name.strip()}" + (f": {hint.strip()}" if hint else "")
+    return " ".join(msg.split())
+
+
+def parse_flags_or_exit(argv: list[str]) -> list[str]:
+    """absl's flag parsing for ``app.run(main, flags_parser=...)`` with the promise every
+    CLI here makes: a bad flag or config (an unknown size, config argument or
+    ``--config.<field>`` override) exits with status 1 and one line, ``error: ...``, not a
+    traceback."""
+    import sys
+
+    from absl import flags
+
+    try:
+        return flags.FLAGS(argv)
+    except Exception as e:  # flags.Error, and what a config file or override raises
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        sys.exit(1)
+

@@ -46,7 +46,7 @@ import lowbit as lb
 import lowbit.flax as lbf
 from experiments import compare, studylib, trainer
 from experiments.config import RunConfig, quant_rules, split_list
-from experiments.configlib import ConfigError
+from experiments.configlib import ConfigError, parse_flags_or_exit
 from lowbit import autoquant
 from lowbit.bits import storage_bits
 from lowbit.io.tree import keypath_str, path_str
@@ -638,4 +638,4 @@ if __name__ == "__main__":
     from ml_collections import config_flags
 
     _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/pareto.py:...")
-    app.run(main)
+    app.run(main, flags_parser=parse_flags_or_exit)

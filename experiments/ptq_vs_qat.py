@@ -52,7 +52,7 @@ import lowbit as lb
 import lowbit.ptq as ptq
 from experiments import compare, runs, studylib
 from experiments.config import RunConfig, fine_tune_config, quant_rules, split_list
-from experiments.configlib import ConfigError
+from experiments.configlib import ConfigError, parse_flags_or_exit
 
 __all__ = ["FORMATS", "recipe_of", "run_study", "render_markdown", "plot", "main"]
 
@@ -298,4 +298,4 @@ if __name__ == "__main__":
     from ml_collections import config_flags
 
     _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/ptq_vs_qat.py:...")
-    app.run(main)
+    app.run(main, flags_parser=parse_flags_or_exit)

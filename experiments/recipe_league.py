@@ -50,7 +50,7 @@ from pathlib import Path
 import lowbit as lb
 from experiments import compare, pareto, runs, studylib
 from experiments.config import RunConfig, check_hadamard_fits, split_list
-from experiments.configlib import ConfigError
+from experiments.configlib import ConfigError, parse_flags_or_exit
 
 __all__ = [
     "Entry",
@@ -663,4 +663,4 @@ if __name__ == "__main__":
     from ml_collections import config_flags
 
     _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/recipe_league.py:...")
-    app.run(main)
+    app.run(main, flags_parser=parse_flags_or_exit)

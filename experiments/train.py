@@ -31,7 +31,7 @@ from ml_collections import config_flags
 from experiments import data as data_lib
 from experiments import distributed, trainer
 from experiments.config import RunConfig
-from experiments.configlib import ConfigError
+from experiments.configlib import ConfigError, parse_flags_or_exit
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "a config file and its argument, e.g. configs/gpt.py:size=tiny,recipe=mxfp4"
@@ -71,4 +71,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags_or_exit)

@@ -1,12 +1,16 @@
 """What a new user hits (issue 29), one test per point fixed: ``--resume`` of a run that does
-not exist says so; progress in a piped log is plain lines; the package metadata installs
-without setuptools' deprecation."""
+not exist says so; CLI mistakes exit 1 with one line; progress in a piped log is plain lines;
+the package metadata installs without setuptools' deprecation."""
 
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 from experiments import trainer
 from experiments.config import RunConfig
@@ -48,3 +52,17 @@ def test_license_is_an_spdx_string():
     assert meta["project"]["license"] == "Apache-2.0"  # not the deprecated { text = ... }
     assert any(r.startswith("setuptools>=") and int(r.split(">=")[1].split(".")[0]) >= 77
                for r in meta["build-system"]["requires"])
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--config", "configs/gpt.py:size=tinyy"], "config argument size='tinyy': expected one of"),
+    (["--config", "configs/gpt.py:recpie=mxfp4"], "config argument 'recpie': unknown"),
+    (["--config", "configs/gpt.py:size=tiny", "--config.train.stesp=50"],
+     "unknown config field 'stesp': Did you mean \"steps\""),
+])
+def test_cli_mistakes_exit_1_with_one_line(args, said):
+    res = subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    err = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 1 and len(err) == 1, res.stderr[-2000:]
+    assert err[0].startswith("error: ") and said in err[0], err
