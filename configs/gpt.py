@@ -140,6 +140,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.keep_checkpoints = 2
     c.train.stop_at = 0  # > 0: stop after this step (checkpointed), as an interruption would
     c.train.progress = True
+    # QAD (experiments/distill.py): --config.train.distill_from=<float run> distils from it
+    c.train.distill_from = ""
+    c.train.distill_temperature = 1.0
+    c.train.distill_weight = 1.0
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # -1: all devices not used by fsdp

@@ -98,6 +98,18 @@ def test_a_short_qad_run_moves_the_student_toward_the_teacher(tmp_path, corpus):
     assert len(kd) >= 10 and np.median(kd[-5:]) < np.median(kd[:5]), kd
 
 
+def test_the_cli_config_takes_distill_from():
+    """The family configs declare the QAD fields, so a locked ConfigDict (as the CLI's
+    ``--config.train.distill_from=...`` override sets it) accepts them."""
+    from experiments.configlib import load_config
+
+    for spec in ("configs/gpt.py:size=tiny", "configs/digits.py:size=tiny"):
+        c = load_config(spec)
+        c.lock()
+        c.train.distill_from, c.train.distill_weight = "runs/x", 0.5
+        assert RunConfig.from_config(c).train.distill_weight == 0.5
+
+
 def test_distill_config_errors(tmp_path, corpus):  # noqa: F811
     c = tiny(tmp_path, corpus, distill_from=str(tmp_path / "a"))
     c.init_from = str(tmp_path / "b")

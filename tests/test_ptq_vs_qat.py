@@ -23,6 +23,7 @@ def test_a_tiny_study_and_qat_recovers_what_ptq_lost(tmp_path):
     c.formats, c.methods = "mxfp4,w4a16_nvfp4", "max"
     # smoothing, SVDQuant and GPTQ are pinned by tests/test_ptq*.py; here the study's plumbing
     c.smooth, c.svd_rank, c.qat_steps, c.float_control = False, 0, 10, False
+    c.lock()  # as the CLI's config is: the fine-tunes' configs may set only declared fields
     result = ptq_vs_qat.run_study(c, log=_quiet)
     rows = {r["row"]: r for r in result["rows"] if r["format"] == "mxfp4"}
     assert list(rows) == ["cast", "cal-max", "cal-mse+w-mse", "gptq", "mr-gptq", "qat", "qad"]
