@@ -66,3 +66,14 @@ def test_cli_mistakes_exit_1_with_one_line(args, said):
     err = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 1 and len(err) == 1, res.stderr[-2000:]
     assert err[0].startswith("error: ") and said in err[0], err
+
+
+def test_axis_that_is_not_an_int_names_what_axis_must_be():
+    import jax.numpy as jnp
+
+    import lowbit as lb
+
+    with pytest.raises(TypeError, match=r"axis must be an int or a tuple of ints.*'last'"):
+        lb.quantize(jnp.ones((4, 64)), "mxfp4", axis="last")
+    with pytest.raises(TypeError, match="axis must be an int or a tuple of ints"):
+        lb.quantize(jnp.ones((4, 64)), "mxfp4", axis=(0.5,))

@@ -137,6 +137,11 @@ def _normalize_axes(axis, ndim: int, nblock: int) -> tuple[int, ...]:
         else:
             axes = (axis,)
     else:
+        ok = isinstance(axis, (tuple, list)) and all(
+            isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in axis)
+        if not ok:
+            raise TypeError(f"axis must be an int or a tuple of ints (the quantized axes), got "
+                            f"{axis!r}")
         axes = tuple(int(a) for a in axis)
     if len(axes) != nblock:
         raise ValueError(
