@@ -77,3 +77,13 @@ def test_axis_that_is_not_an_int_names_what_axis_must_be():
         lb.quantize(jnp.ones((4, 64)), "mxfp4", axis="last")
     with pytest.raises(TypeError, match="axis must be an int or a tuple of ints"):
         lb.quantize(jnp.ones((4, 64)), "mxfp4", axis=(0.5,))
+
+
+def test_readme_says_how_to_run_the_notebooks_with_a_command_the_venv_has():
+    readme = (ROOT / "README.md").read_text()
+    assert "jupyter execute --inplace notebooks/01_formats.ipynb" in readme
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        assert nb.stem in readme, f"README's notebook section does not name {nb.name}"
+    res = subprocess.run([sys.executable, "-m", "jupyter", "execute", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "--inplace" in res.stdout + res.stderr
