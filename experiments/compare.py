@@ -319,12 +319,35 @@ def _band(curves: list[tuple[np.ndarray, np.ndarray]], smooth: bool):
     return x, ys.mean(0), ys.min(0), ys.max(0)
 
 
-def plot_curves(results: dict[str, RecipeResult], path: str | Path, *, title: str = "") -> Path:
-    """Train loss, validation loss and gap-to-none versus tokens (see the module docstring)."""
+def _tokens(x, _pos=None) -> str:
+    """A token count as a short tick label: 950, 12k, 1.5M."""
+    if abs(x) >= 1e6:
+        return f"{x / 1e6:g}M"
+    return f"{x / 1e3:g}k" if abs(x) >= 1e3 else f"{x:g}"
+
+
+def plot_curves(results: dict[str, RecipeResult], path: str | Path, *, title: str = "",
+                noise_pct: float | None = None) -> Path:
+    """Train loss, validation loss and gap-to-none versus tokens (see the module docstring);
+    ``noise_pct``: the half-width of the seed-noise interval of a one-seed gap, drawn as a band
+    around zero on the gap panel (None: not drawn)."""
+    fig = curves_figure(results, title=title, noise_pct=noise_pct)
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def curves_figure(results: dict[str, RecipeResult], *, title: str = "",
+                  noise_pct: float | None = None):
+    """The figure :func:`plot_curves` saves."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     base = results.get(BASELINE)
@@ -350,18 +373,21 @@ def plot_curves(results: dict[str, RecipeResult], path: str | Path, *, title: st
     axes[1].set_title("validation loss")
     axes[2].set_title("validation loss gap to none (%)")
     axes[2].axhline(0, color="black", lw=0.8)
+    if noise_pct is not None:
+        axes[2].axhspan(-noise_pct, noise_pct, color="gray", alpha=0.2, zorder=0,
+                        label=f"seed noise, one seed ({100 * CONFIDENCE:g}%)")
     for ax in axes:
         ax.set_xlabel("tokens")
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
+        ax.xaxis.set_major_formatter(FuncFormatter(_tokens))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     axes[0].set_ylabel("nats (GPT: per byte; ViT: per image)")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def compare(
@@ -395,7 +421,9 @@ def compare(
     rows = summarize(results, noise)
     png, md = out / "curves.png", out / "summary.md"
     if distributed.is_writer():  # process 0 of a multi-process run
-        plot_curves(results, png, title=f"{group}: {', '.join(recipes)}")
+        floor = next((r["noise_floor_pct"] for r in rows), None)
+        plot_curves(results, png, title=f"{group}: {', '.join(recipes)}",
+                    noise_pct=gap_noise([], floor)[0])
         md.write_text(render_markdown(rows, title=f"{group}: recipes compared", command=command))
         (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     distributed.barrier("lowbit-compare")

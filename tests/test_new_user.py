@@ -87,3 +87,33 @@ def test_readme_says_how_to_run_the_notebooks_with_a_command_the_venv_has():
     res = subprocess.run([sys.executable, "-m", "jupyter", "execute", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "--inplace" in res.stdout + res.stderr
+
+
+def test_demo_figure_ticks_do_not_overlap_and_the_gap_panel_draws_the_noise_band():
+    import numpy as np
+
+    from experiments import compare
+
+    x = np.linspace(0, 13_107_200, 400)  # the demo's token counts: 3,208 steps x 4,096
+
+    def result(name, shift):
+        curve = (x, 2.0 + shift + np.exp(-x / 2e6))
+        return compare.RecipeResult(name, [0], [1.8 + shift], [0.1], [curve], [curve], 1)
+
+    results = {"none": result("none", 0.0), "mxfp4": result("mxfp4", 0.05)}
+    fig = compare.curves_figure(results, noise_pct=0.9)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        boxes = [t.get_window_extent(renderer) for t in ax.get_xticklabels()
+                 if t.get_visible() and t.get_text()]
+        assert len(boxes) >= 3
+        assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:], strict=False)), [
+            t.get_text() for t in ax.get_xticklabels()]
+        assert all(t.get_text().endswith(("M", "k", "0")) for t in ax.get_xticklabels()
+                   if t.get_text())
+    gap = fig.axes[2]
+    band = [p for p in gap.patches if "seed noise" in str(p.get_label())]
+    assert len(band) == 1
+    y0, y1 = band[0].get_extents().y0, band[0].get_extents().y1
+    assert y1 > y0  # drawn, with height
