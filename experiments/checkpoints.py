@@ -112,6 +112,34 @@ def restore(mngr, step: int, abstract, shardings, *, params_only: bool = False):
     return _rekey(got["state"], abstract), dict(got["data"])
 
 
+def restore_newest(mngr, abstract, shardings, *, log: Callable = print, set_aside: bool = True):
+    """``(step, train state, data state)`` of the newest checkpoint that reads.
+
+    A newer checkpoint that does not read (a damaged file, an interrupted write) is skipped
+    with a line saying which and why, and kept: renamed ``<step>.damaged`` (``set_aside``;
+    only the writing process renames) so that the run can save that step again. Nothing is
+    deleted, and nothing is renamed unless an older checkpoint reads. When none reads: a
+    ConfigError naming the directory and each step's reason."""
+    skipped: list[tuple[int, str]] = []
+    for step in sorted(mngr.all_steps(), reverse=True):
+        try:
+            state, data = restore(mngr, step, abstract, shardings)
+        except ConfigError as e:
+            skipped.append((step, str(e)))
+            continue
+        for s, why in skipped:
+            kept = Path(mngr.directory) / f"{s}.damaged"
+            if set_aside:
+                (Path(mngr.directory) / str(s)).rename(kept)
+            log(f"checkpoint step {s} does not read ({why[:300]}); kept as {kept}; resuming "
+                f"from step {step}")
+        if skipped:
+            mngr.reload()
+        return step, state, data
+    why = "; ".join(f"step {s}: {w[:200]}" for s, w in skipped) or "no checkpoints"
+    raise ConfigError(f"no checkpoint in {mngr.directory} reads ({why})")
+
+
 def _restoring(mngr, step: int, restore: Callable):
     """``restore()``, with orbax / tensorstore errors (they vary) as a ConfigError naming the
     checkpoint."""

@@ -525,7 +525,7 @@ def train(
     _write_config(cfg, resume=resume and has_ckpt, writer=writer)
     loop = _Loop(cfg, trainer, mngr, dataset, writer=writer)
     if resume and mngr.latest_step() is not None:
-        state, batches = loop.resume(int(mngr.latest_step()))
+        state, batches = loop.resume(log)
         log(f"resumed {cfg.run_dir} at step {loop.start}")
     else:
         state, batches = loop.fresh(init_params)
@@ -610,12 +610,13 @@ class _Loop:
         self.last_good = None  # the step of the newest checkpoint known to be finite
         self.switched_at = 0  # the step after which the precision schedule switched (0: not)
 
-    def resume(self, start: int):
-        """The train state and batch stream of checkpoint ``start``."""
+    def resume(self, log: Callable[[str], None] = print):
+        """The train state and batch stream of the newest checkpoint that reads (a damaged
+        newer one is skipped, said and kept: :func:`experiments.checkpoints.restore_newest`)."""
+        start, state, data_state = checkpoints.restore_newest(
+            self.mngr, self.trainer.abstract, self.trainer.state_sharding, log=log,
+            set_aside=self.writer)
         self.start = self.last_good = start
-        state, data_state = checkpoints.restore(
-            self.mngr, start, self.trainer.abstract, self.trainer.state_sharding
-        )
         if data_state.get("fingerprint") != self.dataset.fingerprint:
             raise ConfigError(
                 f"--resume: the data changed since the checkpoint (fingerprint "

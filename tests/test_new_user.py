@@ -14,6 +14,7 @@ import pytest
 
 from experiments import trainer
 from experiments.config import RunConfig
+from experiments.configlib import ConfigError
 from experiments.metrics import LineProgress, NoBar, progress_bar
 from tests.test_train import corpus, tiny  # noqa: F401 (corpus: a fixture)
 
@@ -117,3 +118,38 @@ def test_demo_figure_ticks_do_not_overlap_and_the_gap_panel_draws_the_noise_band
     assert len(band) == 1
     y0, y1 = band[0].get_extents().y0, band[0].get_extents().y1
     assert y1 > y0  # drawn, with height
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_an_older_one_and_is_kept(
+        tmp_path, corpus):  # noqa: F811
+    import json
+
+    c = tiny(tmp_path, corpus, steps=6, warmup_steps=1, eval_every=0, checkpoint_every=2,
+             keep_checkpoints=3, stop_at=4)
+    cfg = RunConfig.from_config(c)
+    trainer.train(cfg, log=lambda *_: None)  # checkpoints 2 and 4, then stopped
+    ckpt = cfg.run_dir / "checkpoints"
+    (ckpt / "4" / "data" / "metadata").write_text("{ not json")  # damaged
+    c.train.stop_at = 0
+    said = []
+    result = trainer.train(RunConfig.from_config(c), resume=True, log=said.append)
+    assert any("checkpoint step 4 does not read" in s and "resuming from step 2" in s
+               for s in said), said
+    assert (ckpt / "4.damaged" / "data" / "metadata").read_text() == "{ not json"  # kept
+    assert result.step == 6 and (ckpt / "6").exists()
+    steps = [json.loads(ln)["step"] for ln in (cfg.run_dir / "metrics.jsonl").read_text()
+             .splitlines() if json.loads(ln)["kind"] == "train"]
+    assert steps == sorted(set(steps)) and steps[-1] == 6  # steps 3, 4 retrained once
+
+
+def test_when_no_checkpoint_reads_resume_stops_with_one_line_naming_the_directory(
+        tmp_path, corpus):  # noqa: F811
+    c = tiny(tmp_path, corpus, steps=4, warmup_steps=1, eval_every=0, checkpoint_every=2,
+             stop_at=2)
+    cfg = RunConfig.from_config(c)
+    trainer.train(cfg, log=lambda *_: None)
+    (cfg.run_dir / "checkpoints" / "2" / "data" / "metadata").write_text("{ not json")
+    c.train.stop_at = 0
+    with pytest.raises(ConfigError, match=r"no checkpoint in .*checkpoints reads \(step 2: "):
+        trainer.train(RunConfig.from_config(c), resume=True, log=lambda *_: None)
+    assert (cfg.run_dir / "checkpoints" / "2").exists()  # not renamed, not deleted
