@@ -153,3 +153,20 @@ def test_when_no_checkpoint_reads_resume_stops_with_one_line_naming_the_director
     with pytest.raises(ConfigError, match=r"no checkpoint in .*checkpoints reads \(step 2: "):
         trainer.train(RunConfig.from_config(c), resume=True, log=lambda *_: None)
     assert (cfg.run_dir / "checkpoints" / "2").exists()  # not renamed, not deleted
+
+
+def test_heuristic_rules_print_recipe_names():
+    from flax import nnx
+
+    import lowbit as lb
+    from lowbit import autoquant as aq
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.attn_proj = nnx.Linear(8, 8, rngs=rngs)
+            self.mlp = nnx.Linear(8, 8, rngs=rngs)
+
+    rules = aq.heuristic(Net(nnx.Rngs(0)), "all", low="nvfp4")
+    assert repr(rules) == "[('attn_proj', 'nvfp4'), ('mlp', 'nvfp4')]"
+    custom = lb.recipes.get("nvfp4").replace(name="mine")
+    assert aq.heuristic(Net(nnx.Rngs(0)), "all", low=custom)[0][1] is custom  # kept as given

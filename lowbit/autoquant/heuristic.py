@@ -99,7 +99,8 @@ def heuristic(
     Args:
       model: an NNX model or a Linen module (then ``example``: inputs to trace it on).
       preset: ``"all"``, ``"mlp_only"`` or ``"experts_only"``.
-      low, high: recipe names or :class:`lowbit.Recipe` objects.
+      low, high: recipe names or :class:`lowbit.Recipe` objects (a rule holds what was given:
+        a name, or the Recipe).
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -108,7 +109,7 @@ def heuristic(
     ...         self.attn_proj = nnx.Linear(8, 8, rngs=rngs)
     ...         self.mlp = nnx.Linear(8, 8, rngs=rngs)
     ...         self.head = nnx.Linear(8, 2, rngs=rngs)
-    >>> [(p, r.name) for p, r in heuristic(Net(nnx.Rngs(0)), "mlp_only", high="mxfp8")]
+    >>> heuristic(Net(nnx.Rngs(0)), "mlp_only", high="mxfp8")
     [('attn_proj', 'mxfp8'), ('mlp', 'mxfp4')]
     """
     if preset not in PRESETS:
@@ -132,9 +133,11 @@ def heuristic(
         role = roles[s.path]
         if role in ("embedding", "head", "router"):
             continue
-        r = low_r if role in lows else high_r
-        if not r.is_identity:
-            rules.append((re.escape(s.path), r))
+        low_site = role in lows
+        r = low_r if low_site else high_r
+        if not r.is_identity:  # a recipe asked for by name stays a name (printed rules read)
+            given = low if low_site else high
+            rules.append((re.escape(s.path), r.name if isinstance(given, str) else r))
     return rules
 
 
