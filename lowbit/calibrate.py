@@ -41,6 +41,7 @@ from lowbit.core import formats as _formats
 from lowbit.core import qarray as _qa
 from lowbit.core.formats import E4M3, BlockFormat, ElementFormat
 from lowbit.core.numerics import exponent, ieee_div, pow2, round_to_grid
+from lowbit.core.requantize import round_on_scales
 from lowbit.gemm.operand import scaled_fake_quantize
 from lowbit.gemm.recipes import TENSOR_ELEMENTS
 from lowbit.gptq import gptq, mr_gptq, rotate_hessian
@@ -655,17 +656,13 @@ def _nvfp4_search(xb, y0, finite, plan, standard):
     c0 = _qa.encode_elements(s0, E4M3).astype(jnp.int32)
     top = _E4M3_MAX_CODE
     err0 = _block_sse(y0, xb, plan)
-    rt = ieee_div(np.float32(1.0), t)
 
     def try_offset(carry, k):  # one candidate scale per step: one compiled body, O(w) memory
         best_err, best_c, best_q = carry
         c = c0 + k
         ok = finite & (t > 0) & (c >= 0) & (c <= top)
-        s = _qa.decode_elements(jnp.clip(c, 0, top).astype(jnp.uint8), E4M3)
-        live = s > 0
-        r = jnp.where(live, ieee_div(rt, jnp.where(live, s, 1.0)), 0.0)
-        q = round_to_grid(jnp.where(r > 0, xb * r, 0.0), elem, saturate=True)
-        err = _block_sse((q * s) * t, xb, plan)
+        q, y = round_on_scales(xb, jnp.clip(c, 0, top).astype(jnp.uint8), t, plan.fmt)
+        err = _block_sse(y, xb, plan)
         better = ok & (err < best_err)
         return (jnp.where(better, err, best_err), jnp.where(better, c, best_c),
                 jnp.where(better, q, best_q)), None

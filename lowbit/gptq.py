@@ -52,6 +52,7 @@ from lowbit.core import qarray as _qa
 from lowbit.core import requantize as _rq
 from lowbit.core.formats import E4M3
 from lowbit.core.numerics import ieee_div, round_to_grid
+from lowbit.gemm.recipes import TENSOR_ELEMENTS
 
 __all__ = ["gptq", "mr_gptq", "rotate_hessian", "damped_inverse_factor"]
 
@@ -74,7 +75,7 @@ def _check_args(w, hessian, fmt, axis, block_size, damp, options):
             f"hessian must be [{k}, {k}] (w's contraction axis {axis} has {k} inputs), got "
             f"shape {tuple(h.shape)}"
         )
-    if isinstance(fmt, str) and fmt.lower() in ("e4m3", "e5m2", "int8"):
+    if isinstance(fmt, str) and fmt.lower() in TENSOR_ELEMENTS:
         raise ValueError(f"gptq needs a block format, got the per-tensor element format {fmt!r}")
     f = _formats.get(fmt)
     if f.is_absmean:
@@ -292,12 +293,6 @@ def _not_positive_definite(h, damp) -> str:
     )
 
 
-def _group_scales(wg, fmt, scale_mode, tamax):
-    """The scale codes ``[N]`` lowbit's quantizer chooses for the block ``wg [N, b]``."""
-    kw = {} if _formats.get(fmt).is_mx else {"tensor_amax": tamax}
-    return _qa.quantize(wg, fmt, -1, scale_mode=scale_mode, **kw).scales[:, 0]
-
-
 @functools.partial(jax.jit, static_argnames=("fmt", "scale_mode", "block_size", "damp",
                                              "act_order"))
 def _gptq(wt, h, tamax, t, static, *, fmt, scale_mode, block_size, damp, act_order):
@@ -336,14 +331,14 @@ def _gptq(wt, h, tamax, t, static, *, fmt, scale_mode, block_size, damp, act_ord
             w1, v1, e1, err1, codes, scales = c
             if fixed:
                 codes = jnp.take(static, perm[i1 + i] // bs, axis=1)
-            else:
-                fresh = lax.cond(
-                    i % bs == 0,
-                    lambda: _group_scales(lax.dynamic_slice(w1, (0, i), (n, bs)), fmt,
-                                          scale_mode, tamax),
-                    lambda: codes)
-                codes = fresh
-                scales = lax.dynamic_update_slice(scales, codes[:, None], (0, (i1 + i) // bs))
+            else:  # a block's first column: its scale, from the block as updated so far
+
+                def fresh():
+                    block = lax.dynamic_slice(w1, (0, i), (n, bs))
+                    new = _static_scales(block, f, scale_mode, tamax)  # [N, 1]
+                    return new[:, 0], lax.dynamic_update_slice(scales, new, (0, (i1 + i) // bs))
+
+                codes, scales = lax.cond(i % bs == 0, fresh, lambda: (codes, scales))
             col = w1[:, i]
             e, q = _rq.round_on_scales(col, codes, t, fmt, scale_mode)
             err = (col - q) / u1[i, i]
@@ -373,6 +368,7 @@ def _gptq(wt, h, tamax, t, static, *, fmt, scale_mode, block_size, damp, act_ord
 
 
 def _static_scales(w, f, scale_mode, tamax):
-    """Every block's scale codes ``[N, K / b]`` from the weights ``w [N, K]`` as they are."""
+    """Every block's scale codes ``[N, K / b]`` that lowbit's quantizer chooses for the
+    weights ``w [N, K]`` as they are (the tensor scale from ``tamax``)."""
     kw = {} if f.is_mx else {"tensor_amax": tamax}
     return _qa.quantize(w, f, -1, scale_mode=scale_mode, **kw).scales

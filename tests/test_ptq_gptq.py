@@ -35,6 +35,13 @@ def _by_hand(model, batches):
     return {"layers/0": x.T @ x, "layers/2": h.T @ h}
 
 
+def _calibrated(model, recipe, batches):
+    """``(rules, calibration with Hessians, every batch's rows, the float model's output)``."""
+    rules = [(".*", recipe)]
+    x = jnp.concatenate(batches)
+    return rules, ptq.calibrate(model, rules, batches, hessians=True), x, model(x)
+
+
 def _close(got, want):
     return np.max(np.abs(got - want)) <= 1e-5 * np.max(np.abs(want))
 
@@ -64,10 +71,7 @@ def test_hessians_under_a_data_fsdp_mesh_sum_every_devices_tokens():
 @pytest.mark.parametrize("recipe", ["w4a16_mxfp4", "w4a16_nvfp4", "qat_mxfp4"])
 def test_gptq_weights_lower_the_output_error_and_serve_as_simulated(recipe):
     model, batches = _model(), _batches()
-    rules = [(".*", recipe)]
-    cal = ptq.calibrate(model, rules, batches, hessians=True)
-    x = jnp.concatenate(batches)
-    ref = model(x)
+    rules, cal, x, ref = _calibrated(model, recipe, batches)
     err = {}
     for weights in ("max", "gptq"):
         y = ptq.quantize(model, rules, cal, weights=weights)(x)
@@ -123,10 +127,7 @@ def test_rotation_leaves_the_float_layer_unchanged():
 @pytest.mark.parametrize("recipe", ["w4a16_nvfp4", "w4a16_mxfp4"])
 def test_mr_gptq_beats_gptq_with_outliers_and_serves_as_simulated(recipe):
     model, batches = _model(), _outlier_batches()
-    rules = [(".*", recipe)]
-    cal = ptq.calibrate(model, rules, batches, hessians=True)
-    x = jnp.concatenate(batches)
-    ref = model(x)
+    rules, cal, x, ref = _calibrated(model, recipe, batches)
     err = {w: float(jnp.mean((ptq.quantize(model, rules, cal, weights=w)(x) - ref) ** 2))
            for w in ("max", "gptq")}
     served = ptq.quantize(model, rules, cal, weights="mr-gptq")  # rotation added, Hessian rotated
