@@ -11,6 +11,7 @@ from lowbit.core.formats import BlockFormat, ElementFormat, ScaleFormat
 from lowbit.core.qarray import QArray, dequantize, fake_quantize, quantize
 from lowbit.gemm import recipes
 from lowbit.gemm.dot_general import dot_general, einsum
+from lowbit.gemm.ragged import ragged_dot
 from lowbit.gemm.recipes import GemmSpec, QuantSpec, Recipe
 
 __version__ = "0.1.0"
@@ -47,6 +48,7 @@ __all__ = [
     "fake_quantize",
     "dot_general",
     "einsum",
+    "ragged_dot",
     "QuantSpec",
     "GemmSpec",
     "Recipe",

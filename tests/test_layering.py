@@ -4,7 +4,7 @@ Layers, lowest first (a module may import its own layer and the layers below it)
 
     formats, implementation -> numerics, hadamard, plan -> native -> qarray -> io -> recipes
       -> bits -> operand, calibrate, gptq -> pallas_kernels (the kernels and their references)
-      -> dot_general -> flax -> ptq -> autoquant -> experiments -> benchmarks
+      -> dot_general, ragged -> flax -> ptq -> autoquant -> experiments -> benchmarks
 
 ``lowbit`` reaches ``pallas_kernels`` only through the lazy implementation table in
 ``lowbit.gemm.implementation`` (an ``importlib`` call on first use, no import statement), and
@@ -34,7 +34,7 @@ LAYERS = [
     ("lowbit.bits",),
     ("lowbit.gemm.operand", "lowbit.calibrate", "lowbit.gptq"),
     ("pallas_kernels",),
-    ("lowbit.gemm.dot_general",),
+    ("lowbit.gemm.dot_general", "lowbit.gemm.ragged"),
     ("lowbit.flax",),
     ("lowbit.ptq",),
     ("lowbit.autoquant",),

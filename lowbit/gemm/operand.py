@@ -90,17 +90,23 @@ def hadamard_along(x, axis: int, block: int, signs, *, inverse: bool = False):
     return _hadamard.hadamard_transform(x, block, signs=signs, axis=axis, inverse=inverse)
 
 
-def _scaled_quantize(x, spec: QuantSpec, key, axis: int):
+def _scaled_quantize(x, spec: QuantSpec, key, axis: int, tensor_amax=None):
     """Float32-scaled elements (``granularity="tensor"``: one scale; ``"row"``: one per slice
     along ``axis``). FP8: current scaling as in Transformer Engine, ``s = elem_max / amax``
     (1 for an all-zero tensor). ``"int8"``: BitNet b1.58's ``activation_quant``,
     ``s = 127 / max(amax, 1e-5)``. Elements ``round(clip(x * s))``. Returns the elements and
-    ``s`` (float32, keepdims along ``axis`` for rows); :func:`_scaled_values` dequantizes."""
+    ``s`` (float32, keepdims along ``axis`` for rows); :func:`_scaled_values` dequantizes.
+    ``tensor_amax``: a given per-tensor amax in place of ``x``'s own (a static ``spec.amax``
+    still wins)."""
     elem = _formats.tensor_element(spec.format)
     if spec.granularity == "row":
         amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    elif spec.amax is not None:
+        amax = jnp.float32(spec.amax)
+    elif tensor_amax is not None:
+        amax = jnp.asarray(tensor_amax, jnp.float32)
     else:
-        amax = jnp.max(jnp.abs(x)) if spec.amax is None else jnp.float32(spec.amax)
+        amax = jnp.max(jnp.abs(x))
     s = _scale_of(amax, elem)
     v = x * s
     if spec.prescale != 1.0:
@@ -216,6 +222,7 @@ def quantize_operand(
     hadamard: int | None = None,
     signs: jax.Array | None = None,
     native: bool = True,
+    tensor_amax: jax.Array | None = None,
 ):
     """Fake-quantize (float32 out) one GEMM operand along ``axis`` per ``spec``.
 
@@ -225,6 +232,12 @@ def quantize_operand(
     runs). None spec: ``x`` as float32 (transformed when asked). With ``packed=True`` the
     result is the packed form (a QArray, or FP8 codes and a float32 scale) that
     :func:`unpack_operand` turns into the same float32 values.
+
+    ``tensor_amax`` (a float32 scalar, may be traced): the amax of the tensor this operand is
+    a part of, in place of the operand's own, for the specs with a tensor-wide amax (NVFP4 and
+    INT4 tensor scales, per-tensor FP8); a static ``spec.amax`` still wins. A grouped GEMM
+    (:mod:`lowbit.gemm.ragged`) passes each group's amax so that a tile of the group's rows
+    quantizes as the whole group would.
     """
     x = x.astype(jnp.float32)
     if spec is None:
@@ -248,10 +261,14 @@ def quantize_operand(
     if hadamard is not None and not fuse:
         x = hadamard_along(x, axis, hadamard, signs)
     x = clip_to_rms(x, spec, axis)
+    given_amax = tensor_amax
     x, tensor_amax = apply_static_amax(x, spec)
+    if tensor_amax is None and given_amax is not None and spec.granularity == "block" \
+            and _formats.get(spec.format).tensor_scale:
+        tensor_amax = given_amax
     rounding_key = key if spec.stochastic else None
     if spec.granularity != "block":
-        v, scale = _scaled_quantize(x, spec, rounding_key, axis)
+        v, scale = _scaled_quantize(x, spec, rounding_key, axis, given_amax)
         if packed:
             return v.astype(_TENSOR_DTYPES[spec.format]), scale
         return _qa.undo_prescale(_scaled_values(v, scale, spec.format), spec.prescale)
@@ -286,23 +303,25 @@ def unpack_operand(packed, spec: QuantSpec | None) -> jax.Array:
 
 def prepare_operand(x, spec: QuantSpec | None, gemm: GemmSpec, axis, other_axis, key, signs,
                     *, use_barrier: bool = True, packed: bool = False, native: bool = True,
-                    with_mask: bool = False):
+                    with_mask: bool = False, tensor_amax=None):
     """One operand of a GEMM of a recipe: the barrier (see :func:`barrier`), ``gemm``'s
     Hadamard transform along ``axis``, then :func:`quantize_operand`; float32, or packed.
     ``axis`` None (nothing contracted): the operand as it is. ``with_mask``: also the trust
     mask of a ``trust_mask`` spec (:func:`std_scaled_quantize`; None for other specs), as
-    ``(values, mask)``."""
+    ``(values, mask)``. ``tensor_amax``: as for :func:`quantize_operand`."""
     x = x.astype(jnp.float32)
     if use_barrier and (spec is not None or gemm.hadamard):
         x = barrier(x)
     if with_mask:
         if spec is None or not spec.trust_mask or axis is None:
             return prepare_operand(x, spec, gemm, axis, other_axis, key, signs,
-                                   use_barrier=False, native=native), None
+                                   use_barrier=False, native=native,
+                                   tensor_amax=tensor_amax), None
         if gemm.hadamard:
             x = hadamard_along(x, axis, gemm.hadamard, signs)
         return std_scaled_quantize(x, spec, axis, key if spec.stochastic else None)
     if axis is None:
         return x
     return quantize_operand(x, spec, axis, other_axis, key, packed=packed,
-                            hadamard=gemm.hadamard or None, signs=signs, native=native)
+                            hadamard=gemm.hadamard or None, signs=signs, native=native,
+                            tensor_amax=tensor_amax)
