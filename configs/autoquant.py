@@ -4,6 +4,8 @@ plan measured by post-training quantization against the architecture heuristics.
 
     python -m experiments.autoquant --config configs/autoquant.py:mlp=dense,size=xs
     python -m experiments.autoquant --config configs/autoquant.py:mlp=moe,size=xs
+    python -m experiments.autoquant --config configs/autoquant.py:mlp=moe,size=xs \
+        --config.cost=active
     python -m experiments.autoquant --config configs/autoquant.py:mlp=dense,size=tiny \
         --config.methods=isolated,shapley --config.budgets=4.5,6 --config.qat_steps=100
 
@@ -19,6 +21,10 @@ reused when that run finished with the same config. Fields:
 - ``calib_batches``: training batches the scores are measured on; ``eval_batches``:
   validation batches every plan is evaluated on (0: the base config's ``train.eval_batches``).
 - ``budgets``: bits per parameter (scales included, float = 16) to solve for.
+- ``cost``: what the budgets count (``lowbit.autoquant.COSTS``): ``stored`` (bits per stored
+  parameter) or ``active`` (bits per active parameter: each expert weight counted at the
+  ``top_k / experts`` of the tokens it serves, from ``base.model``; NVIDIA ModelOpt's
+  ``active_moe``). A dense GPT gets the same plans either way.
 - ``heuristic_low`` / ``heuristic_high``: the recipes of the presets' low and high sites;
   ``matched``: also solve every method at each heuristic point's own bits.
 - ``random_recipes``: mixed-precision recipes drawn at random (each site uniform over ``none``
@@ -63,6 +69,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.calib_batches = 8
     c.eval_batches = 32
     c.budgets = "4.5,5,6,8"
+    c.cost = "stored"  # or "active": bits per active parameter (MoE experts at top_k / experts)
     c.heuristic_low = "qat_mxfp4,qat_nvfp4,qat_mxfp6"
     c.heuristic_high = "none,qat_mxfp8"
     c.matched = True

@@ -19,11 +19,13 @@ config) this study
    which a per-site score would split arbitrarily;
 2. solves (:func:`lowbit.autoquant.solve`, the exact knapsack) each method's scores for every
    budget in ``budgets`` (bits per parameter over the scored weights, scales included, float
-   = 16), saves the plans (``plans/<method>-<bits>.json``, loadable by
-   ``--config.quant.plan``) and measures each by post-training quantization
-   (:func:`lowbit.ptq.simulate` with the plan's rules: weights and activations fake-quantized
-   with dynamic scales) on the validation batches (:func:`experiments.runs.evaluate`, as
-   the PTQ study evaluates), and on the calibration batches;
+   = 16; with ``cost=active`` bits per active parameter, each expert weight counted at the
+   ``top_k / experts`` of the tokens it serves: :func:`active_fraction`), saves the plans
+   (``plans/<method>-<bits>.json``, loadable by ``--config.quant.plan``) and measures each by
+   post-training quantization (:func:`lowbit.ptq.simulate` with the plan's rules: weights and
+   activations fake-quantized with dynamic scales) on the validation batches
+   (:func:`experiments.runs.evaluate`, as the PTQ study evaluates), and on the calibration
+   batches;
 3. measures the architecture presets (:func:`lowbit.autoquant.heuristic`: ``all``,
    ``mlp_only``, ``experts_only`` for MoE) for every ``heuristic_low`` x ``heuristic_high``,
    each at the bits the same cost function gives it (``Scores.bits``), and (``matched``) every
@@ -67,6 +69,8 @@ from experiments.model import loss_fn as gpt_loss_fn
 
 __all__ = [
     "MOE_GROUPS",
+    "MOE_EXPERTS",
+    "active_fraction",
     "cross_entropy",
     "logits",
     "pareto",
@@ -80,6 +84,22 @@ __all__ = [
 
 # One group per MoE layer: its experts' up and down GEMMs share a format (module docstring).
 MOE_GROUPS = (r"blocks/(\d+)/moe/(?:up|down)",)
+# The GPT's stacked expert kernels ([E, d, f] and [E, f, d]): each token reads top_k of E.
+MOE_EXPERTS = r"blocks/\d+/moe/(?:up|down)"
+
+
+def active_fraction(model_cfg) -> dict[str, float]:
+    """``lowbit.autoquant.score``'s ``active_fraction`` for a GPT of ``model_cfg`` (a
+    :class:`experiments.model.GPTConfig`): its experts serve ``top_k / experts`` of the tokens
+    each; a dense GPT has none (every site 1).
+
+    >>> from experiments.model import GPTConfig
+    >>> active_fraction(GPTConfig(mlp="moe", experts=8, top_k=2)), active_fraction(GPTConfig())
+    ({'blocks/\\\\d+/moe/(?:up|down)': 0.25}, {})
+    """
+    if model_cfg.mlp != "moe":
+        return {}
+    return {MOE_EXPERTS: model_cfg.top_k / model_cfg.experts}
 
 
 def cross_entropy(model, batch) -> jax.Array:
@@ -186,8 +206,8 @@ class _Study:
     """The float model of a study, its calibration batches and its measurements (cached per
     quantized site set): what every part of :func:`run_study` measures against."""
 
-    def __init__(self, c, cfg, model, *, log: Callable[[str], None]):
-        self.c, self.cfg, self.model, self.log = c, cfg, model, log
+    def __init__(self, c, cfg, model, *, log: Callable[[str], None], cost: str = "stored"):
+        self.c, self.cfg, self.model, self.log, self.cost = c, cfg, model, log, cost
         self.eval_cfg = cfg
         if int(c.eval_batches):
             self.eval_cfg = dataclasses.replace(
@@ -239,7 +259,8 @@ class _Study:
             s = aq.score(self.model, cross_entropy, self.batches, candidates, method=method,
                          steps=int(c.shapley_steps),
                          rule=str(c.get("shapley_rule", "midpoint")), groups=groups,
-                         output_fn=logits if method == "kl" else None, seed=int(c.seed))
+                         output_fn=logits if method == "kl" else None, seed=int(c.seed),
+                         active_fraction=active_fraction(self.cfg.model))
             jax.block_until_ready(s.damage)
             timings[method] = time.perf_counter() - t
             scores[method] = s
@@ -247,12 +268,16 @@ class _Study:
         self.scores, self.ref = scores, scores[methods[0]]
         return scores, timings
 
+    def bits(self, choices: dict[str, str]) -> float:
+        """The bits per (active, with ``cost="active"``) parameter of an assignment."""
+        return self.ref.bits(choices, cost=self.cost)
+
     def uniform(self, candidates) -> list[dict]:
         """Every candidate on every site."""
         ref, out = self.ref, []
         for cand in candidates:
             ch = ref.uniform(cand)
-            rec = self.point(_rules(ch, ref), {"recipe": cand, "bits": ref.bits(ch)}, calib=True)
+            rec = self.point(_rules(ch, ref), {"recipe": cand, "bits": self.bits(ch)}, calib=True)
             rec["predicted"] = {m: s.predicted(ch) for m, s in self.scores.items()}
             out.append(rec)
             self.log(f"uniform {cand}: bits {rec['bits']:.3f} delta_val {rec['delta_val']:+.4f}")
@@ -262,7 +287,7 @@ class _Study:
         """The solver's plan of ``method`` at ``bits``, saved and measured (None: no plan)."""
         s = self.scores[method]
         try:
-            plan = aq.solve(s, bits=bits)
+            plan = aq.solve(s, bits=bits, cost=self.cost)
         except ValueError as e:
             self.log(f"{method} at {bits:g} bits: {e}")
             return None
@@ -294,7 +319,7 @@ class _Study:
                         continue
                     seen.add(key)
                     rec = self.point(_rules(ch, ref), {
-                        "preset": preset, "low": low, "high": high, "bits": ref.bits(ch),
+                        "preset": preset, "low": low, "high": high, "bits": self.bits(ch),
                         "counts": _counts(ch, ref.members),
                         "predicted": {m: s.predicted(ch) for m, s in self.scores.items()},
                     })
@@ -340,7 +365,7 @@ class _Study:
                                                                               len(ref.sites)),
                                                      strict=True)}
             rec = self.point(_rules(ch, ref), {
-                "index": i, "bits": ref.bits(ch), "counts": _counts(ch, ref.members),
+                "index": i, "bits": self.bits(ch), "counts": _counts(ch, ref.members),
                 "choices": ch, "predicted": {m: s.predicted(ch) for m, s in self.scores.items()},
             }, calib=True)
             out.append(rec)
@@ -370,6 +395,9 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
             raise ConfigError(f"config.methods: unknown method {m!r}; expected some of "
                               f"{aq.METHODS}")
     budgets = _floats(c.budgets, "budgets")
+    cost = str(c.get("cost", "stored"))
+    if cost not in aq.COSTS:
+        raise ConfigError(f"config.cost: unknown cost {cost!r}; expected one of {aq.COSTS}")
     lows = _recipes(c.heuristic_low, "heuristic_low")
     highs = _recipes(c.heuristic_high, "heuristic_high")
     base_cfg = RunConfig.from_config(c.base)
@@ -378,13 +406,13 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
     t0 = time.perf_counter()
     float_dir = runs.train_or_reuse(base_cfg, log)
     cfg, model = runs.load_trained(float_dir)
-    study = _Study(c, cfg, model, log=log)
+    study = _Study(c, cfg, model, log=log, cost=cost)
     fl = study.fl
     scores, timings = study.score(methods, candidates)
     ref = study.ref
     none_choices = ref.uniform("none")
     none_plan = study.point(
-        _rules(none_choices, ref), {"bits": ref.bits(none_choices)}, calib=True
+        _rules(none_choices, ref), {"bits": study.bits(none_choices)}, calib=True
     )
     uniform = study.uniform(candidates)
     completeness = _completeness(uniform, scores)
@@ -413,12 +441,14 @@ def run_study(c, *, log: Callable[[str], None] = print) -> dict:
         "name": c.name,
         "float_run": str(float_dir),
         "model": {"mlp": cfg.model.mlp, "d_model": cfg.model.d_model,
-                  "layers": cfg.model.layers, "scored_params": int(sum(ref.params.values()))},
+                  "layers": cfg.model.layers, "scored_params": int(sum(ref.params.values())),
+                  "active_params": float(sum(ref.active_params.values()))},
         "float": fl,
         "none_plan": none_plan,
         "candidates": candidates,
         "methods": methods,
         "budgets": budgets,
+        "cost": cost,
         "score_seconds": timings,
         "scores": {m: s.to_json() for m, s in scores.items()},
         "uniform": uniform,
@@ -446,12 +476,15 @@ def render_markdown(result: dict, command: str = "") -> str:
     lines = [f"# {result['name']}: per-layer precision under a bit budget", ""]
     if command:
         lines += ["```", command, "```", ""]
+    per = "parameter over the scored weights"
+    if result.get("cost", "stored") == "active":  # (results written before: stored)
+        per = (f"active parameter over the scored weights ({mo['active_params']:,.0f}: each "
+               "expert weight counted at the top_k / experts of the tokens it serves)")
     lines += [
         f"GPT ({mo['mlp']}, d_model {mo['d_model']}, {mo['layers']} layers; "
         f"{mo['scored_params']:,} scored weight parameters). Float: val loss "
-        f"{fl['val_loss']:.4f}, calibration loss {fl['calib_loss']:.4f}. Bits per parameter "
-        "over the scored weights (scales included, float = 16); deltas are measured loss "
-        "changes against float.",
+        f"{fl['val_loss']:.4f}, calibration loss {fl['calib_loss']:.4f}. Bits per {per} "
+        "(scales included, float = 16); deltas are measured loss changes against float.",
         "",
         "## Scoring time",
         "",
@@ -560,7 +593,9 @@ def plot(result: dict, path) -> Path:
             ax.plot(b, v, color=color, marker="x" if name == "heuristics" else "o", ms=4,
                     label=name)
     ax.axhline(result["float"]["val_loss"], color="k", ls="--", lw=1, label="float")
-    ax.set_xlabel("bits per parameter (scored weights, scales included)")
+    active = result.get("cost", "stored") == "active"
+    ax.set_xlabel(f"bits per {'active ' if active else ''}parameter (scored weights, scales "
+                  "included)")
     ax.set_ylabel("validation loss (PTQ)")
     ax.set_title(f"{result['name']}: plans and heuristics (lines: Pareto fronts)")
     ax.legend(fontsize=8)

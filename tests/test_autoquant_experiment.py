@@ -123,6 +123,43 @@ def check_study(study, methods, budgets):
 
 def test_the_study_measures_its_methods_budgets_and_heuristics(study):
     check_study(study, ("isolated", "shapley"), (4.5,))
+    _, result, _ = study
+    assert result["cost"] == "stored"  # the default; a dense GPT's active parameters: all
+    assert result["model"]["active_params"] == result["model"]["scored_params"]
+
+
+def test_a_moe_study_under_the_active_cost_budgets_active_parameters(tmp_path):
+    """``--config.cost=active`` on the MoE GPT: the experts' fraction comes from the config
+    (top_k / experts), every plan is solved and saved under it, and its bits are those of the
+    scores' active cost table."""
+    c = tiny_study(tmp_path, "moe")
+    c.cost, c.methods, c.budgets, c.random_recipes = "active", "gradient", "6", 0
+    c.base.model.experts, c.base.model.top_k = 4, 1
+    result = autoquant.run_study(c, log=_quiet)
+    assert result["cost"] == "active"
+    s = aq.Scores.from_json(result["scores"]["gradient"])
+    assert set(s.fraction.values()) == {1.0, 0.25}
+    assert all(s.fraction[p] == 0.25 for p in s.fraction if "/moe/" in p)
+    d, f = c.base.model.d_model, 4 * c.base.model.d_model  # one block
+    assert result["model"]["scored_params"] == 4 * d * d + 2 * 4 * d * f
+    assert result["model"]["active_params"] == 4 * d * d + 2 * d * f
+    assert result["none_plan"]["bits"] == 16.0
+    (p,) = result["plans"]
+    plan = aq.Plan.load(p["plan_file"])
+    assert plan.cost == "active" and p["bits"] == plan.bits <= 6.0
+    assert plan.bits == s.bits(plan.choices, cost="active") != s.bits(plan.choices)
+    for h in result["heuristics"]:  # the presets at their active bits too
+        assert h["bits"] == s.bits({g: _recipe_of(h, g) for g in s.sites}, cost="active")
+    text = autoquant.render_markdown(result)
+    assert "Bits per active parameter" in text
+
+
+def _recipe_of(h, group):
+    """The recipe a heuristic point's counts give ``group`` (every site of one role agrees)."""
+    role = "expert" if "/moe/" in group else "attention"
+    low = {"all": ("expert", "attention"), "mlp_only": ("expert",),
+           "experts_only": ("expert",)}[h["preset"]]
+    return h["low"] if role in low else h["high"]
 
 
 @pytest.mark.slow
@@ -184,6 +221,11 @@ def test_quant_plan_is_validated_and_recorded(study, tmp_path):
 
 def test_unknown_method_and_candidate_are_named():
     c = study_config.get_config("mlp=dense,size=tiny")
+    assert c.cost == "stored"
+    c.cost = "memory"
+    with pytest.raises(ConfigError, match=r"config\.cost: unknown cost 'memory'"):
+        autoquant.run_study(c, log=_quiet)
+    c.cost = "stored"
     c.methods = "fisher"
     with pytest.raises(ConfigError, match="unknown method 'fisher'"):
         autoquant.run_study(c, log=_quiet)

@@ -13,7 +13,10 @@ low-bit deployment. Three ways to answer it, on the same models:
 :func:`solve` picks one candidate per site (or group) under a budget in bits per parameter by
 the exact multiple-choice knapsack (:func:`knapsack`); ``plan.rules()`` feeds
 :func:`lowbit.flax.quantize`, :func:`lowbit.ptq.quantize` and the experiment configs
-(``--config.quant.plan=plan.json``).
+(``--config.quant.plan=plan.json``). The budget counts stored bits (``cost="stored"``, the
+default) or, for a mixture of experts, bits per *active* parameter (``cost="active"``: each
+expert weighted by the ``top_k / experts`` of the tokens it serves, given to :func:`score` as
+``active_fraction``; NVIDIA ModelOpt's ``active_moe``; :mod:`lowbit.autoquant.costs`).
 
 >>> import jax, jax.numpy as jnp, lowbit.autoquant as aq
 >>> from flax import nnx
@@ -27,6 +30,7 @@ the exact multiple-choice knapsack (:func:`knapsack`); ``plan.rules()`` feeds
 (True, ['layers/0', 'layers/2'])
 """
 
+from lowbit.autoquant.costs import COSTS
 from lowbit.autoquant.heuristic import PRESETS, ROLES, classify, heuristic, weight_sites
 from lowbit.autoquant.scoring import (
     FLOAT_BITS,
@@ -53,6 +57,7 @@ __all__ = [
     "METHODS",
     "RULES",
     "FLOAT_BITS",
+    "COSTS",
     "classify",
     "heuristic",
     "weight_sites",

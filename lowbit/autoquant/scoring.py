@@ -40,12 +40,13 @@ import math
 import os
 import pathlib
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit.autoquant.costs import check_cost, parse_fractions, site_fractions
 from lowbit.autoquant.heuristic import classify
 from lowbit.autoquant.programs import NONE, needs_key, program, scalar
 from lowbit.autoquant.solver import recipe_from_json, recipe_to_json
@@ -98,6 +99,12 @@ class Scores:
       recipes: candidate name -> :class:`lowbit.Recipe`.
       batches: batches scored; steps: path points and rule: their quadrature (``"shapley"``);
       loss: the mean float loss.
+      fraction: site path -> the fraction of the tokens its weights serve (``score``'s
+        ``active_fraction``; 1 for a site no regex matched); None: not given, and the
+        ``"active"`` cost model (:mod:`lowbit.autoquant.costs`) is not available.
+      active_cost: ``float64[sites, candidates]``: ``cost`` under the ``"active"`` model, each
+        member's weight bits times its fraction, summed over the group (None: not given).
+      active_params: site (or group) -> its active parameters (parameters times fraction).
     """
 
     sites: tuple[str, ...]
@@ -112,6 +119,9 @@ class Scores:
     steps: int | None = None
     loss: float | None = None
     rule: str | None = None
+    fraction: dict[str, float] | None = None
+    active_cost: np.ndarray | None = None
+    active_params: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def recipe(self, name: str) -> Recipe:
         """The candidate called ``name``."""
@@ -119,10 +129,28 @@ class Scores:
             return self.recipes[name]
         return _recipes.get(name)
 
-    def bits(self, choices: dict[str, str]) -> float:
-        """Bits per parameter of an assignment site -> candidate name."""
-        total = sum(self.params[s] for s in self.sites)
-        c = sum(self.cost[i, self.candidates.index(choices[s])] for i, s in enumerate(self.sites))
+    def cost_table(
+        self, cost: str = "stored", where: str = "Scores"
+    ) -> tuple[np.ndarray, dict[str, float]]:
+        """The costs ``[sites, candidates]`` and the parameters per site (or group) of the cost
+        model ``cost`` (:data:`lowbit.autoquant.COSTS`): ``cost`` and ``params``, or
+        ``active_cost`` and ``active_params``."""
+        if check_cost(cost, where) == "stored":
+            return self.cost, self.params
+        if self.active_cost is None:
+            raise ValueError(
+                f"{where}: cost='active' needs scores with active fractions: "
+                "score(..., active_fraction={path regex: top_k / experts}) (an empty mapping "
+                "for a model without experts)"
+            )
+        return self.active_cost, self.active_params
+
+    def bits(self, choices: dict[str, str], cost: str = "stored") -> float:
+        """Bits per parameter of an assignment site -> candidate name (per active parameter
+        with ``cost="active"``)."""
+        table, params = self.cost_table(cost, "Scores.bits")
+        total = sum(params[s] for s in self.sites)
+        c = sum(table[i, self.candidates.index(choices[s])] for i, s in enumerate(self.sites))
         return float(c) / total
 
     def uniform(self, candidate: str) -> dict[str, str]:
@@ -149,6 +177,9 @@ class Scores:
             "steps": self.steps,
             "loss": self.loss,
             "rule": self.rule,
+            "fraction": self.fraction,
+            "active_cost": None if self.active_cost is None else self.active_cost.tolist(),
+            "active_params": dict(self.active_params),
         }
 
     @classmethod
@@ -167,6 +198,12 @@ class Scores:
             loss=d.get("loss"),
             # written before the rule was recorded: the midpoint rule, the only one then
             rule=d.get("rule", "midpoint" if d.get("steps") is not None else None),
+            # written before the active cost model: none
+            fraction=d.get("fraction"),
+            active_cost=(
+                None if d.get("active_cost") is None else np.asarray(d["active_cost"], np.float64)
+            ),
+            active_params={k: float(v) for k, v in d.get("active_params", {}).items()},
         )
 
     def save(self, path: str | os.PathLike) -> pathlib.Path:
@@ -459,6 +496,7 @@ def score(
     variables=None,
     seed: int = 0,
     rule: str = "midpoint",
+    active_fraction: Mapping[str, float] | None = None,
 ) -> Scores:
     """Score every site of ``model`` at every candidate recipe.
 
@@ -485,6 +523,11 @@ def score(
       variables: Linen: the module's variables (when ``model`` is not bound).
       seed: keys of candidates whose forward draws random numbers (stochastic rounding,
         random Hadamard signs): fixed per batch, site and candidate.
+      active_fraction: ``{path regex: fraction}``, the fraction of the tokens a site's weights
+        serve (in (0, 1]; ``top_k / experts`` for stacked experts; first fullmatch wins, other
+        sites 1): the scores then also carry the ``"active"`` cost model that
+        ``solve(..., cost="active")`` budgets over (:mod:`lowbit.autoquant.costs`; NVIDIA
+        ModelOpt's ``active_moe``). Each regex must match a scored site.
 
     Returns:
       :class:`Scores` (costs in weight bits; damage as the method measures it).
@@ -503,18 +546,23 @@ def score(
     (('layers/0', 'layers/2'), ('none', 'mxfp8', 'mxfp4'), (2, 3), [32768.0, 16896.0, 8704.0])
     """
     ts, ws = path_points(steps, rule) if method == "shapley" else (None, None)
+    fractions = None if active_fraction is None else parse_fractions(active_fraction)
     it = iter(batches)
     first = next(it, None)
     run, chosen, recipes, prog = _prepare(
         model, loss_fn, first, candidates, method, rules, output_fn, variables
     )
     paths = [s.path for s in chosen]
+    fraction = None if fractions is None else site_fractions(paths, fractions)
     n_s, n_c = len(paths), len(recipes)
     damage, losses, n = _damage(method, prog, run, _chain(first, it), seed, ts, ws, n_s, n_c)
     if method in ("isolated", "kl", "shapley"):
         damage /= n
     members = _groups(chosen, groups)
     g_damage, g_cost, g_params = _grouped(damage, chosen, members, recipes)
+    active_cost, active_params = None, {}
+    if fraction is not None:
+        active_cost, active_params = _active(chosen, members, recipes, fraction)
     return Scores(
         sites=tuple(members),
         candidates=tuple(r.name for r in recipes),
@@ -528,6 +576,9 @@ def score(
         steps=steps if method == "shapley" else None,
         loss=float(np.mean(losses)) if losses else None,
         rule=rule if method == "shapley" else None,
+        fraction=fraction,
+        active_cost=active_cost,
+        active_params=active_params,
     )
 
 
@@ -580,6 +631,19 @@ def _grouped(damage, chosen, members, recipes):
             g_cost[gi] += [weight_bits(r, params_of[p]) for r in recipes]
         g_params[name] = sum(params_of[p] for p in ps)
     return g_damage, g_cost, g_params
+
+
+def _active(chosen, members, recipes, fraction):
+    """Cost (weight bits) and parameters per group under the ``"active"`` model: each member's
+    times its fraction of the tokens, summed."""
+    params_of = {s.path: s.params for s in chosen}
+    cost = np.zeros((len(members), len(recipes)))
+    params = {}
+    for gi, (name, ps) in enumerate(members.items()):
+        for p in ps:
+            cost[gi] += [fraction[p] * weight_bits(r, params_of[p]) for r in recipes]
+        params[name] = float(sum(fraction[p] * params_of[p] for p in ps))
+    return cost, params
 
 
 def _chain(first, rest):

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from lowbit.autoquant.costs import check_cost
 from lowbit.gemm import recipes as _recipes
 from lowbit.gemm.recipes import GemmSpec, QuantSpec, Recipe
 
@@ -228,12 +229,14 @@ class PrecisionPlan:
       members: site (or group) name -> the site paths it stands for.
       recipes: recipe name -> :class:`lowbit.Recipe`, for every recipe the plan uses.
       bits: the achieved bits per parameter over the scored sites' weights (scales included,
-        float = 16).
+        float = 16); per active parameter when ``cost`` is ``"active"``.
       budget: the bits per parameter the plan was solved for.
       predicted: the summed damage of the choices: a predicted loss change for damages in
         loss units (methods ``"isolated"`` and ``"shapley"``), a score otherwise.
       method: the scoring method.
       params: site (or group) name -> its number of weight parameters.
+      cost: the cost model ``bits`` and ``budget`` are in (:mod:`lowbit.autoquant.costs`):
+        ``"stored"`` or ``"active"``.
     """
 
     choices: dict[str, str]
@@ -244,6 +247,7 @@ class PrecisionPlan:
     predicted: float
     method: str
     params: dict[str, int] = dataclasses.field(default_factory=dict)
+    cost: str = "stored"
 
     def rules(self) -> list[tuple[str, Recipe]]:
         """``lowbit.flax`` rules that give every planned site its recipe (``"none"`` sites
@@ -273,6 +277,7 @@ class PrecisionPlan:
             "predicted": self.predicted,
             "method": self.method,
             "params": dict(self.params),
+            "cost": self.cost,
         }
 
     @classmethod
@@ -301,6 +306,8 @@ class PrecisionPlan:
             predicted=float(d["predicted"]),
             method=str(d["method"]),
             params={k: int(v) for k, v in d.get("params", {}).items()},
+            # saved before the active cost model: stored
+            cost=check_cost(d.get("cost", "stored"), "PrecisionPlan.from_json"),
         )
 
     def save(self, path: str | os.PathLike) -> pathlib.Path:
@@ -328,12 +335,16 @@ Plan = PrecisionPlan
 quantized tensor), kept for the experiments that load plans by it."""
 
 
-def solve(scores: Any, bits: float = 4.5) -> PrecisionPlan:
+def solve(scores: Any, bits: float = 4.5, *, cost: str = "stored") -> PrecisionPlan:
     """The plan of least predicted damage whose weights take at most ``bits`` bits per
     parameter on average over the scored sites (scales included; float counts 16).
 
-    ``scores``: a :class:`lowbit.autoquant.Scores`. Raises ``ValueError`` when no plan fits
-    (the message gives the smallest feasible ``bits``).
+    ``scores``: a :class:`lowbit.autoquant.Scores`. ``cost``: the cost model
+    (:mod:`lowbit.autoquant.costs`): ``"stored"`` (bits per stored parameter) or
+    ``"active"`` (each site weighted by the fraction of the tokens it serves, ``top_k /
+    experts`` for experts, and ``bits`` per active parameter: the scores must come from
+    ``score(..., active_fraction=...)``). Raises ``ValueError`` when no plan fits (the message
+    gives the smallest feasible ``bits``) and for an unknown ``cost``.
 
     >>> import numpy as np
     >>> from lowbit.autoquant import Scores
@@ -345,22 +356,25 @@ def solve(scores: Any, bits: float = 4.5) -> PrecisionPlan:
     >>> p.choices, p.bits, round(p.predicted, 3)
     ({'a': 'none', 'b': 'mxfp4'}, 10.125, 0.1)
     """
+    check_cost(cost, "solve")
     try:
         bits = float(bits)
     except (TypeError, ValueError):
         raise TypeError(f"solve: bits must be a number, got {bits!r}") from None
-    total = float(sum(scores.params[s] for s in scores.sites))
+    table, params = scores.cost_table(cost, "solve")
+    total = float(sum(params[s] for s in scores.sites))
     if total <= 0:
         raise ValueError("solve: the scored sites hold no weight parameters")
     try:
-        pick = knapsack(scores.cost, scores.damage, bits * total)
+        pick = knapsack(table, scores.damage, bits * total)
     except ValueError as e:
         if "infeasible" not in str(e):
             raise
-        least = float(np.sum(np.min(scores.cost, axis=1))) / total
+        least = float(np.sum(np.min(table, axis=1))) / total
+        per = "active parameter" if cost == "active" else "parameter"
         raise ValueError(
             f"solve: bits={bits:g} is infeasible for these sites: the smallest feasible "
-            f"budget is {least:.6g} bits per parameter (every site at its cheapest candidate)"
+            f"budget is {least:.6g} bits per {per} (every site at its cheapest candidate)"
         ) from None
     rows = np.arange(len(scores.sites))
     choices = {s: scores.candidates[int(j)] for s, j in zip(scores.sites, pick, strict=True)}
@@ -369,9 +383,10 @@ def solve(scores: Any, bits: float = 4.5) -> PrecisionPlan:
         choices=choices,
         members={s: tuple(scores.members.get(s, (s,))) for s in scores.sites},
         recipes={n: scores.recipe(n) for n in scores.candidates if n in used},
-        bits=float(np.sum(scores.cost[rows, pick])) / total,
+        bits=float(np.sum(table[rows, pick])) / total,
         budget=bits,
         predicted=float(np.sum(scores.damage[rows, pick])),
         method=scores.method,
         params={s: int(scores.params[s]) for s in scores.sites},
+        cost=cost,
     )
