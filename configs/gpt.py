@@ -84,6 +84,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.top_k = 2
     c.model.capacity_factor = 1.25
     c.model.moe_aux_weight = 0.01
+    # "capacity" (expert buffers, drops past the capacity) | "dropless" (lb.ragged_dot over the
+    # assignments sorted by expert: no capacity, no drops)
+    c.model.moe_impl = "capacity"
     c.model.dtype = "auto"
 
     c.quant = ml_collections.ConfigDict()

@@ -1,11 +1,13 @@
 """A decoder-only GPT in Flax NNX for the low-bit training experiments.
 
 Pre-norm blocks (RMSNorm), causal multi-head self-attention with rotary (RoPE, rotate-half)
-or learned positions, a dense GELU MLP or a token-choice top-k mixture of experts with
-capacity (GShard / Switch), a final norm and an LM head (tied to the embedding or not).
+or learned positions, a dense GELU MLP or a token-choice top-k mixture of experts (with
+capacity, GShard / Switch, or dropless over a grouped GEMM: ``moe_impl``), a final norm and
+an LM head (tied to the embedding or not).
 
-Every GEMM with a weight is an ``nnx.Linear`` or, for the expert weights, an ``nnx.Einsum``,
-so that :func:`lowbit.flax.quantize` reaches it by its path (``re.fullmatch`` on these):
+Every GEMM with a weight is an ``nnx.Linear`` or, for the expert weights, an ``nnx.Einsum``
+(capacity) or a ``lowbit.flax.nnx.GroupedLinear`` (dropless), so that
+:func:`lowbit.flax.quantize` reaches it by its path (``re.fullmatch`` on these):
 
 ================================  ======================================================
 ``embed``, ``pos_embed``          ``nnx.Embed`` (``pos_embed``: learned positions only)
@@ -13,7 +15,7 @@ so that :func:`lowbit.flax.quantize` reaches it by its path (``re.fullmatch`` on
 ``blocks/<i>/attn/qkv``, ``out``  fused ``d -> 3d`` projection, output projection
 ``blocks/<i>/mlp/up``, ``down``   dense MLP ``d -> ratio d -> d``
 ``blocks/<i>/moe/router``         ``nnx.Linear`` ``d -> experts``, computed in float32
-``blocks/<i>/moe/up``, ``down``   ``nnx.Einsum`` kernels ``[E, d, f]`` and ``[E, f, d]``
+``blocks/<i>/moe/up``, ``down``   kernels ``[E, d, f]`` and ``[E, f, d]`` (Einsum / Grouped)
 ``norm_f``, ``head``              final norm; LM head (untied only)
 ================================  ======================================================
 
@@ -35,6 +37,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from lowbit.flax.nnx import GroupedLinear
+
 __all__ = [
     "GPTConfig",
     "GPT",
@@ -46,11 +50,13 @@ __all__ = [
     "n_params",
     "moe_capacity",
     "route",
+    "route_dropless",
     "rope",
 ]
 
 POSITIONS = ("rope", "learned")
 MLPS = ("dense", "moe")
+MOE_IMPLS = ("capacity", "dropless")
 DTYPES = ("float32", "bfloat16")
 INIT_STD = 0.02
 
@@ -73,6 +79,7 @@ class GPTConfig:
     capacity_factor: float = 1.25
     capacity_multiple: int = 32  # capacity rounded up to this (lowbit blocks / Hadamards)
     moe_aux_weight: float = 0.01  # weight of the Switch load-balancing loss
+    moe_impl: str = "capacity"  # "capacity" (expert buffers, drops) | "dropless" (ragged_dot)
     dtype: str = "float32"  # compute dtype: "float32" | "bfloat16" (parameters: float32)
     rope_base: float = 10000.0
 
@@ -88,6 +95,8 @@ class GPTConfig:
             raise ValueError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
         if self.mlp not in MLPS:
             raise ValueError(f"mlp must be one of {MLPS}, got {self.mlp!r}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.experts:
@@ -292,18 +301,57 @@ def route(
     return dispatch_BTEC.astype(dtype), combine_BTEC.astype(dtype), aux, dropped
 
 
+def route_dropless(logits_BTE: jax.Array, top_k: int):
+    """Token-choice top-k routing without capacity: every assignment is kept.
+
+    The ``N = B T`` tokens are flattened. Returns ``order [N*k]`` (the assignments ``token *
+    k + choice`` sorted by expert, stably: within an expert, token order then choice),
+    ``group_sizes [E]`` (int32), ``gates [N, k]`` (the chosen probabilities renormalized over
+    the ``k`` choices) and :func:`route`'s Switch load-balancing loss (per sequence, averaged).
+
+    >>> order, sizes, gates, aux = route_dropless(jnp.array([[[0., 1.], [2., 0.], [0., 3.]]]),
+    ...                                           1)
+    >>> order.tolist(), sizes.tolist(), float(aux) > 1
+    ([1, 0, 2], [1, 2], True)
+    """
+    b, t, e = logits_BTE.shape
+    probs_BTE = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
+    gates_BTK, idx_BTK = jax.lax.top_k(probs_BTE, top_k)
+    gates_BTK = gates_BTK / jnp.sum(gates_BTK, axis=-1, keepdims=True)
+    expert_A = idx_BTK.reshape(-1)
+    order = jnp.argsort(expert_A, stable=True)
+    sizes = jnp.bincount(expert_A, length=e).astype(jnp.int32)
+    first_BE = jnp.mean(jax.nn.one_hot(idx_BTK[:, :, 0], e, dtype=jnp.float32), axis=1)
+    aux = jnp.mean(e * jnp.sum(first_BE * jnp.mean(probs_BTE, axis=1), axis=-1))
+    return order, sizes, gates_BTK.reshape(b * t, top_k), aux
+
+
 class MoE(nnx.Module):
-    """Mixture of GELU-MLP experts: a float32 ``router``, experts as ``nnx.Einsum`` (``up``:
-    ``[E, d, f]``, ``down``: ``[E, f, d]``) over per-expert buffers ``[B, E, C, d]``."""
+    """Mixture of GELU-MLP experts with a float32 ``router``; the experts' kernels are ``up``
+    ``[E, d, f]`` and ``down`` ``[E, f, d]`` under both ``moe_impl`` s (so checkpoints move
+    between them):
+
+    - ``"capacity"``: ``nnx.Einsum`` s over per-expert buffers ``[B, E, C, d]`` filled by
+      :func:`route` (per sequence; assignments past the capacity are dropped);
+    - ``"dropless"``: ``lowbit.flax.nnx.GroupedLinear`` s (``lb.ragged_dot``, a grouped
+      GEMM over the assignments sorted by expert, :func:`route_dropless`): no capacity, no
+      drops, no ``[B, T, E, C]`` dispatch tensors; rules reach ``moe/up`` and ``moe/down`` by
+      path as grouped-GEMM sites.
+    """
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         d, f, e, dt = cfg.d_model, cfg.d_ff, cfg.experts, cfg.compute_dtype
         self.cfg = cfg
         self.router = _linear(d, e, rngs, dtype=jnp.float32)
+        down_init = _normal(INIT_STD / math.sqrt(2 * cfg.layers))
+        if cfg.moe_impl == "dropless":
+            self.up = GroupedLinear(e, d, f, dtype=dt, kernel_init=_normal(INIT_STD),
+                                    rngs=rngs)
+            self.down = GroupedLinear(e, f, d, dtype=dt, kernel_init=down_init, rngs=rngs)
+            return
         self.up = nnx.Einsum(
             "becd,edf->becf", (e, d, f), dtype=dt, kernel_init=_normal(INIT_STD), rngs=rngs
         )
-        down_init = _normal(INIT_STD / math.sqrt(2 * cfg.layers))
         self.down = nnx.Einsum(
             "becf,efd->becd", (e, f, d), dtype=dt, kernel_init=down_init, rngs=rngs
         )
@@ -311,6 +359,8 @@ class MoE(nnx.Module):
     def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """-> (y_BTD, unweighted load-balancing loss, fraction of assignments dropped)."""
         cfg = self.cfg
+        if cfg.moe_impl == "dropless":
+            return self._dropless(x_BTD)
         capacity = moe_capacity(cfg, x_BTD.shape[1])
         logits_BTE = self.router(x_BTD)
         dispatch_BTEC, combine_BTEC, aux, dropped = route(
@@ -320,6 +370,17 @@ class MoE(nnx.Module):
         y_BECD = self.down(nnx.gelu(self.up(x_BECD)))
         y_BTD = jnp.einsum("becd,btec->btd", y_BECD, combine_BTEC)
         return y_BTD, aux, dropped
+
+    def _dropless(self, x_BTD):
+        b, t, d = x_BTD.shape
+        k = self.cfg.top_k
+        x_ND = x_BTD.reshape(b * t, d)
+        order_A, sizes_E, gates_NK, aux = route_dropless(self.router(x_BTD), k)
+        x_AD = x_ND[order_A // k]  # assignments sorted by expert
+        y_AD = self.down(nnx.gelu(self.up(x_AD, sizes_E)), sizes_E)
+        y_NKD = jnp.zeros_like(y_AD).at[order_A].set(y_AD).reshape(b * t, k, d)
+        y_ND = jnp.einsum("nkd,nk->nd", y_NKD, gates_NK.astype(y_NKD.dtype))
+        return y_ND.reshape(b, t, d), aux, jnp.float32(0)
 
 
 class Block(nnx.Module):

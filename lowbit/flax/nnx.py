@@ -9,7 +9,8 @@ split / merged with the model). Ops whose recipe needs no key hold no stream.
 path matches a rule, its injection point: ``dot_general`` (``Linear``, ``LinearGeneral`` and
 any module with such an attribute), ``einsum_op`` (``Einsum``), ``attention_fn``
 (``MultiHeadAttention``; its score and value einsums are the sites ``<path>/attn_scores``
-and ``<path>/attn_values``).
+and ``<path>/attn_values``), ``ragged_dot_op`` (:class:`GroupedLinear`, lowbit's expert
+stack: a grouped GEMM, ``lb.ragged_dot``; site kind ``"ragged_dot"``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Recipe, Rules
 from lowbit.flax.packing import layouts_of, pack_params, unpack
 from lowbit.gemm import recipes as _recipes
 from lowbit.gemm.implementation import Implementation, resolve
+from lowbit.gemm.ragged import ragged_dot
 from lowbit.io.tree import path_str
 
 __all__ = [
@@ -35,6 +37,8 @@ __all__ = [
     "OutControlState",
     "Einsum",
     "Attention",
+    "RaggedDot",
+    "GroupedLinear",
     "PackedModel",
     "quantize",
     "sites",
@@ -289,7 +293,66 @@ class Attention(nnx.Module):
         )
 
 
-_OURS = (DotGeneral, Einsum, Attention)
+class RaggedDot(nnx.Module):
+    """A quantized grouped GEMM (``lb.ragged_dot``), for ``GroupedLinear(ragged_dot_op=...)``.
+
+    >>> import jax.numpy as jnp, lowbit.flax as lbf
+    >>> from flax import nnx
+    >>> layer = lbf.nnx.GroupedLinear(2, 32, 8, ragged_dot_op=lbf.nnx.RaggedDot("mxfp8"),
+    ...                               rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((5, 32)), jnp.array([2, 3])).shape
+    (5, 8)
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe | str,
+        *,
+        rngs: nnx.Rngs | None = None,
+        implementation: str | Implementation | None = None,
+        site: str | None = None,
+    ):
+        self.recipe = _recipes.get(recipe)
+        self.implementation = resolve(implementation)
+        self.site = site
+        self.stream = nnx.data(_stream(rngs, (self.recipe,), f"RaggedDot({self.recipe.name!r})"))
+
+    def __call__(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None):
+        return ragged_dot(lhs, rhs, group_sizes, recipe=self.recipe,
+                          key=_draw(self.stream, self.recipe),
+                          implementation=self.implementation,
+                          preferred_element_type=preferred_element_type)
+
+
+class GroupedLinear(nnx.Module):
+    """A stack of ``groups`` linear maps applied to row groups: ``kernel [G, in, out]``,
+    ``y[rows of g] = x[rows of g] @ kernel[g]`` (rows sorted by group, ``group_sizes [G]``;
+    rows past their sum give zeros). The mixture-of-experts layer of a dropless MoE.
+
+    ``ragged_dot_op`` is the injection point :func:`quantize` sets (default None:
+    ``lb.ragged_dot(..., recipe="none")``, whose memory grows with the rows, not with rows
+    times groups as ``jax.lax.ragged_dot``'s does on CPU).
+    """
+
+    def __init__(self, groups: int, in_features: int, out_features: int, *, dtype=None,
+                 param_dtype=jnp.float32, kernel_init=None, ragged_dot_op=None,
+                 rngs: nnx.Rngs):
+        init = kernel_init or nnx.initializers.lecun_normal()
+        self.kernel = nnx.Param(init(rngs.params(), (groups, in_features, out_features),
+                                     param_dtype))
+        self.dtype = dtype
+        self.ragged_dot_op = nnx.data(ragged_dot_op)
+
+    def __call__(self, x, group_sizes):
+        kernel = self.kernel.get_value()
+        if self.dtype is not None:
+            x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+        if self.ragged_dot_op is None:
+            return ragged_dot(x, kernel, group_sizes)
+        return self.ragged_dot_op(x, kernel, group_sizes)
+
+
+_OURS = (DotGeneral, Einsum, Attention, RaggedDot)
 
 
 def pack(model: nnx.Module, rules, site_list=None) -> nnx.State:
@@ -347,7 +410,9 @@ def sites(
         kpath = (f"{p}/kernel" if p else "kernel") if kernel is not None else None
         shape = tuple(kernel.shape) if kernel is not None else None
         dtype = kernel.dtype if kernel is not None else None
-        if hasattr(m, "einsum_op"):
+        if hasattr(m, "ragged_dot_op"):  # not packed yet: no layout
+            out.append(site(p, "ragged_dot", name, kpath, shape, dtype, None))
+        elif hasattr(m, "einsum_op"):
             layout = _layout(m, shape) if kernel is not None else None
             out.append(site(p, "einsum", name, kpath, shape, dtype, layout))
         elif hasattr(m, "dot_general"):
@@ -384,7 +449,18 @@ def quantize(
             continue
         p = path_str(path)
         where = f"module {p!r} ({type(m).__name__})"
-        if hasattr(m, "einsum_op") or hasattr(m, "dot_general"):
+        if hasattr(m, "ragged_dot_op"):
+            r = rules.active(p)
+            if r is None:
+                continue
+            if packed:
+                raise ValueError(
+                    f"{where}: packing a grouped (ragged_dot) site is not supported yet; "
+                    "leave it out of the rules or serve it from float weights")
+            r = _recipes.get("none") if observe else r
+            plan.append((m, "ragged_dot_op", RaggedDot(r, rngs=_rngs_for(rngs, r, where),
+                                                       implementation=impl, site=p)))
+        elif hasattr(m, "einsum_op") or hasattr(m, "dot_general"):
             r = rules.active(p)
             if r is None:
                 continue

@@ -1,0 +1,134 @@
+"""The dropless MoE GPT (``model.moe_impl="dropless"``): every assignment kept, one grouped
+GEMM (``lb.ragged_dot``) per expert projection; the capacity path's numbers when nothing is
+dropped; sites the rules reach by path; it trains and resumes exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import lowbit.flax as lbf
+from experiments import trainer
+from experiments.config import RunConfig
+from experiments.configlib import load_config
+from experiments.model import GPT, GPTConfig, MoE
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(d_model=64, layers=1, heads=2, seq_len=32)
+
+
+def _experts_ref(moe: MoE, x_ND):
+    """Every expert's MLP on every token: [E, N, D] (float64)."""
+    up, down = (np.asarray(k[...], np.float64) for k in (moe.up.kernel, moe.down.kernel))
+    x = np.asarray(x_ND, np.float64)
+    h = np.einsum("nd,edf->enf", x, up)
+    h = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3)))  # tanh GELU
+    return np.einsum("enf,efd->end", h, down)
+
+
+def test_dropless_keeps_every_assignment_of_a_skewed_router():
+    """Against an explicit loop in float64: with a router that sends most tokens to one
+    expert (the capacity path drops there), every token gets all its top-k experts."""
+    cfg = GPTConfig(**TINY, mlp="moe", experts=4, top_k=2, moe_impl="dropless")
+    moe = MoE(cfg, rngs=nnx.Rngs(0))
+    moe.router.kernel[...] = moe.router.kernel[...] * 50 + jnp.array([[3.0, 1.0, 0.0, 0.0]])
+    x = jax.random.normal(jax.random.key(2), (2, 32, 64)) + 0.5
+    y, aux, dropped = nnx.jit(lambda m, x: m(x))(moe, x)
+    assert float(dropped) == 0 and float(aux) > 1.2  # skewed: the balance loss says so
+    xn = np.asarray(x).reshape(64, 64)
+    logits = xn.astype(np.float64) @ np.asarray(moe.router.kernel[...], np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    idx = np.argsort(-probs, axis=-1, kind="stable")[:, :2]
+    gates = np.take_along_axis(probs, idx, -1)
+    gates /= gates.sum(-1, keepdims=True)
+    h = _experts_ref(moe, xn)
+    want = np.einsum("nk,nkd->nd", gates, h[idx, np.arange(64)[:, None]])
+    assert np.bincount(idx.ravel(), minlength=4).max() > 64 * 2 // 4 * 1.25  # would drop
+    np.testing.assert_allclose(np.asarray(y).reshape(64, 64), want, rtol=2e-4, atol=2e-6)
+
+
+def test_dropless_equals_the_capacity_path_when_nothing_is_dropped():
+    cfg = GPTConfig(**TINY, mlp="moe", experts=4, top_k=2, capacity_factor=4.0)
+    cap = GPT(cfg, rngs=nnx.Rngs(0))
+    drop = GPT(dataclasses.replace(cfg, moe_impl="dropless"), rngs=nnx.Rngs(0))
+    s_cap = nnx.state(cap, nnx.Param)
+    assert jax.tree.structure(s_cap) == jax.tree.structure(nnx.state(drop, nnx.Param))
+    nnx.update(drop, s_cap)  # checkpoints move between the two
+    tokens = jax.random.randint(jax.random.key(1), (3, 32), 0, 256)
+
+    def loss(m):
+        logits, aux = m(tokens)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + aux, (logits, aux)
+
+    (lc, (yc, ac)), gc = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(cap)
+    (ld, (yd, ad)), gd = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(drop)
+    np.testing.assert_allclose(yd, yc, rtol=1e-5, atol=1e-5)
+    assert float(ad) == pytest.approx(float(ac), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(gd), jax.tree.leaves(gc), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_rules_reach_the_expert_stacks_as_grouped_sites():
+    cfg = GPTConfig(**TINY, mlp="moe", experts=4, top_k=2, moe_impl="dropless")
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    rules = [(r".*/router|head|embed", "none"), (r".*moe/.*", "nvfp4"), (".*", "mxfp8")]
+    kinds = {s.path: (s.kind, s.recipe.name if s.recipe else None)
+             for s in lbf.sites(model, rules)}
+    assert kinds["blocks/0/moe/up"] == ("ragged_dot", "nvfp4")
+    assert kinds["blocks/0/moe/down"] == ("ragged_dot", "nvfp4")
+    q = lbf.quantize(model, rules, rngs=nnx.Rngs(quant=0))
+    assert q.blocks[0].moe.up.ragged_dot_op.recipe.name == "nvfp4"
+    assert model.blocks[0].moe.up.ragged_dot_op is None  # the input model is left alone
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
+    lq, _ = nnx.jit(lambda m, t: m(t))(q, tokens)
+    lf, _ = nnx.jit(lambda m, t: m(t))(model, tokens)
+    err = float(jnp.linalg.norm(lq - lf) / jnp.linalg.norm(lf))
+    assert 0 < err < 0.2
+    with pytest.raises(ValueError, match="packing a grouped"):
+        lbf.quantize(model, rules, rngs=nnx.Rngs(quant=0), packed=True)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_bytes(gzip.decompress((ROOT / "tests/data/corpus.txt.gz").read_bytes()))
+    return path
+
+
+def _tiny(tmp_path, corpus, recipe, **train):
+    c = load_config(f"{ROOT / 'configs/gpt.py'}:size=tiny,recipe={recipe},mlp=moe")
+    c.workdir = str(tmp_path / "runs")
+    c.data.path, c.data.cache_dir = str(corpus), str(tmp_path / "cache")
+    c.model.d_model, c.model.layers, c.model.heads, c.model.seq_len = 64, 1, 2, 64
+    c.model.moe_impl = "dropless"
+    c.train.update(steps=12, batch_size=4, lr=1e-2, warmup_steps=2, log_every=1,
+                   eval_every=6, eval_batches=1, checkpoint_every=4, progress=False)
+    c.train.update(train)
+    c.mesh.data, c.mesh.fsdp = 1, 1
+    return c
+
+
+def test_dropless_nvfp4_trains_and_resumes_exactly(tmp_path, corpus):
+    """nvfp4 draws stochastic-rounding keys and random Hadamard signs per group from the
+    quantizer's rng stream: the resumed run matches the uninterrupted one bit for bit."""
+    quiet = lambda *_: None  # noqa: E731
+    full = trainer.train(RunConfig.from_config(_tiny(tmp_path / "a", corpus, "nvfp4")),
+                         log=quiet)
+    losses = [full.losses[s] for s in sorted(full.losses)]
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5, losses
+    cfg = _tiny(tmp_path / "b", corpus, "nvfp4")
+    cfg.train.stop_at = 6
+    first = trainer.train(RunConfig.from_config(cfg), log=quiet)
+    cfg.train.stop_at = 0
+    rest = trainer.train(RunConfig.from_config(cfg), resume=True, log=quiet)
+    for s in range(1, 13):
+        got = first.losses[s] if s <= 6 else rest.losses[s]
+        assert got == full.losses[s], (s, got, full.losses[s])
