@@ -10,8 +10,9 @@ How rules reach modules written without lowbit: :func:`intercept` registers a
 interceptor swaps, for that call only, its injection point for a quantized one: the
 ``dot_general`` field of ``Dense`` / ``DenseGeneral`` (and of any module with such a field), the
 ``qk_attn_weights_einsum_cls`` / ``attn_weights_value_einsum_cls`` fields of
-``MultiHeadDotProductAttention``; ``nn.Einsum`` has no injection point, so its ``__call__`` is
-run by an equivalent that calls the quantized einsum. Interception (rather than cloning modules
+``MultiHeadDotProductAttention``, the ``ragged_dot`` field of :class:`GroupedDense` (lowbit's
+expert stack, a grouped GEMM: site kind ``"ragged_dot"``); ``nn.Einsum`` has no injection
+point, so its ``__call__`` is run by an equivalent that calls the quantized einsum. Interception (rather than cloning modules
 with new fields) also reaches submodules created inside ``@nn.compact`` methods and ``setup``.
 """
 
@@ -34,9 +35,11 @@ from lowbit.flax._core import ATTN_SCORES, ATTN_VALUES, Recipe, Rules
 from lowbit.flax.packing import unpack
 from lowbit.gemm import recipes as _recipes
 from lowbit.gemm.implementation import Implementation, resolve
+from lowbit.gemm.ragged import ragged_dot
 from lowbit.io.tree import is_qarray, path_str
 
-__all__ = ["DotGeneral", "Einsum", "Quantized", "intercept", "quantize", "sites"]
+__all__ = ["DotGeneral", "Einsum", "RaggedDot", "GroupedDense", "Quantized", "intercept",
+           "quantize", "sites"]
 
 # Records sites while tracing (sites(), describe()): a list, or None.
 _RECORDER: contextvars.ContextVar[list | None] = contextvars.ContextVar(
@@ -166,6 +169,56 @@ class Einsum:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class RaggedDot:
+    """A quantized grouped GEMM (``lb.ragged_dot``) for ``GroupedDense(ragged_dot=...)``;
+    keys from the ``"quant"`` stream of the module that runs it."""
+
+    recipe: Recipe | str
+    site: str | None = None
+    implementation: Implementation | str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "recipe", _recipes.get(self.recipe))
+        object.__setattr__(self, "implementation", resolve(self.implementation))
+
+    def __call__(self, lhs, rhs, group_sizes):
+        rec = _RECORDER.get()
+        if rec is not None and self.site is not None:
+            rec.append(("ragged_dot", self.site, rhs.shape, rhs.dtype))
+        return ragged_dot(lhs, rhs, group_sizes, recipe=self.recipe, key=_key(self.recipe),
+                          implementation=self.implementation)
+
+
+class GroupedDense(nn.Module):
+    """A stack of ``groups`` dense maps applied to row groups: ``kernel [G, in, features]``,
+    ``y[rows of g] = x[rows of g] @ kernel[g]`` (rows sorted by group; ``lb.ragged_dot``).
+    ``ragged_dot`` is the injection point the rules set (None: the float grouped GEMM).
+
+    >>> import jax, jax.numpy as jnp, lowbit.flax as lbf
+    >>> layer = lbf.linen.GroupedDense(2, 8, ragged_dot=lbf.linen.RaggedDot("mxfp8"))
+    >>> x, sizes = jnp.ones((5, 32)), jnp.array([2, 3])
+    >>> layer.apply(layer.init(jax.random.key(0), x, sizes), x, sizes).shape
+    (5, 8)
+    """
+
+    groups: int
+    features: int
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Any = nn.initializers.lecun_normal()
+    ragged_dot: Any = None
+
+    @nn.compact
+    def __call__(self, x, group_sizes):
+        kernel = self.param("kernel", self.kernel_init,
+                            (self.groups, x.shape[-1], self.features), self.param_dtype)
+        if self.dtype is not None:
+            x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+        op = self.ragged_dot if self.ragged_dot is not None else ragged_dot
+        return op(x, kernel, group_sizes)
+
+
 # --------------------------------------------------------------------------------------------
 # Interception
 
@@ -274,6 +327,16 @@ class _Interceptor:
         rec = _RECORDER.get()
         if rec is not None:
             rec.append(("module", path, type(m).__name__))
+        if "ragged_dot" in fields:
+            r = self.recipe(path)
+            if r is None:
+                return next_fun(*args, **kwargs)
+            if self.packed:
+                raise ValueError(f"module {path!r}: packing a grouped (ragged_dot) site is not "
+                                 "supported yet; leave it out of the rules")
+            with _override(m, ragged_dot=RaggedDot(r, site=path,
+                                                   implementation=self.implementation)):
+                return next_fun(*args, **kwargs)
         if isinstance(m, nn.Einsum):
             r = self.recipe(path)
             if r is None or context.method_name != "__call__":
@@ -467,6 +530,9 @@ def sites(
             _, path, dn, shape, dtype = entry
             layout = _core.dot_rhs_layout(dn, len(shape))
             kind, kernel = "dot_general", f"{path}/kernel" if path else "kernel"
+        elif entry[0] == "ragged_dot":  # not packed yet: no layout
+            _, path, shape, dtype = entry
+            kind, kernel, layout = "ragged_dot", f"{path}/kernel" if path else "kernel", None
         else:
             _, path, subscripts, lhs_ndim, shape, dtype = entry
             parts = path.split("/")
