@@ -13,7 +13,8 @@ interceptor swaps, for that call only, its injection point for a quantized one: 
 ``MultiHeadDotProductAttention``, the ``ragged_dot`` field of :class:`GroupedDense` (lowbit's
 expert stack, a grouped GEMM: site kind ``"ragged_dot"``); ``nn.Einsum`` has no injection
 point, so its ``__call__`` is run by an equivalent that calls the quantized einsum.
-Interception (rather than cloning modules with new fields) also reaches submodules created inside ``@nn.compact`` methods and ``setup``.
+Interception (rather than cloning modules with new fields) also reaches submodules created
+inside ``@nn.compact`` methods and ``setup``.
 """
 
 from __future__ import annotations
