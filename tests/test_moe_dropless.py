@@ -132,3 +132,17 @@ def test_dropless_nvfp4_trains_and_resumes_exactly(tmp_path, corpus):
     for s in range(1, 13):
         got = first.losses[s] if s <= 6 else rest.losses[s]
         assert got == full.losses[s], (s, got, full.losses[s])
+
+
+def test_dropless_one_and_four_devices_give_the_same_losses(tmp_path, corpus):
+    """The experts' kernels FSDP-sharded like every other weight (data 2 x fsdp 2 against one
+    device): the same losses up to float32 reduction order."""
+    quiet = lambda *_: None  # noqa: E731
+    runs = {}
+    for data, fsdp in ((1, 1), (2, 2)):
+        c = _tiny(tmp_path / f"{data}x{fsdp}", corpus, "mxfp8", steps=6, checkpoint_every=0)
+        c.mesh.data, c.mesh.fsdp = data, fsdp
+        runs[data * fsdp] = trainer.train(RunConfig.from_config(c), log=quiet)
+    a = np.array([runs[1].losses[s] for s in range(1, 7)])
+    b = np.array([runs[4].losses[s] for s in range(1, 7)])
+    np.testing.assert_allclose(b, a, rtol=2e-4)

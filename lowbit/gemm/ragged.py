@@ -13,15 +13,18 @@ they start at the group's first row and never hold another group's row, and a gr
 size is not a block multiple is padded with zero rows (a zero never changes a block's scale,
 and adds nothing to any sum).
 
-The emulation (the reference): rows are laid out group by group, each group starting at a
-multiple of ``P`` rows (:func:`row_multiple`: the recipe's longest block or transform along
-the tokens, at least 128) with zero rows between; operands are quantized ``P`` rows at a time
-(vmapped, with the group's amax given to each tile where the format has a tensor scale;
+The emulation (the reference). Operands quantized along their features (the forward's x,
+the input gradient's dy) stay in the caller's row order and are quantized row by row
+(vmapped), each row with its group's tensor amax where the format has a tensor scale, its
+group's Hadamard signs and rounding stream. Operands quantized along the tokens (the weight
+gradient's x and dy, and a 2-D tile spanning the tokens) are laid out group by group, each
+group starting at a multiple of ``q`` rows (:func:`row_multiple`: the recipe's longest block
+or transform along the tokens) with zero rows between, and quantized ``q`` rows at a time.
 MS-EDEN, whose tensor scale is a maximum of corrected block scales, quantizes each group as
-one masked tensor, G passes), then dequantized and multiplied in float32, one ``P``-row chunk
-at a time against its group's weight (a ``lax.scan`` whose empty chunks skip their GEMM).
-Memory grows with ``M + G * P`` rows, never with ``G * M`` (``jax.lax.ragged_dot`` on CPU
-expands the rows per group).
+one masked tensor (G passes). The dequantized operands are multiplied in float32 by a
+``lax.scan`` over chunks of :data:`CHUNK_ROWS` rows, each chunk against the weights of the
+groups it holds. Memory grows with ``M + G * q`` rows, never with ``G * M``
+(``jax.lax.ragged_dot`` on CPU expands the rows per group).
 
 What cannot be grouped raises: an absmean (ternary) scale or a QuEST RMS clip over the rows
 of a group (a mean over a group's rows is not a maximum: tiles cannot give it), see
@@ -60,40 +63,55 @@ from lowbit.gemm.operand import (
 )
 from lowbit.gemm.recipes import GemmSpec, QuantSpec, Recipe
 
-__all__ = ["ragged_dot", "row_multiple", "ungroupable", "MIN_ROWS"]
+__all__ = ["ragged_dot", "row_multiple", "ungroupable", "CHUNK_ROWS"]
 
 # fold_in tags, as lowbit.dot_general uses them: one stream per (GEMM, operand).
 _FWD, _DLHS, _DRHS = 0, 1, 2
 
-MIN_ROWS = 128
-"""The least number of rows per chunk of the emulation's grouped GEMM (a ``lax.scan`` step):
-fewer, smaller GEMMs cost more per row on CPU (measured: 128-row chunks of a 4096 x 128 x 512
-grouped GEMM ran 3.0x the dense GEMM's time, 256-row chunks 2.0x)."""
+CHUNK_ROWS = 256
+"""Rows per step of the emulation's grouped GEMM (a ``lax.scan``): each step multiplies its
+rows by the weight of every group among them (masked). Measured on a 4096 x 128 x 512 grouped
+GEMM on CPU: 128-row steps ran 3.0x the dense GEMM's time, 256-row steps 2.0x."""
 
 
 # --------------------------------------------------------------------------------------------
 # What a recipe needs of the row layout
 
 
+def _row_side(recipe: Recipe):
+    """(gemm name, gemm, spec, along the tokens) of every operand that holds tokens: fwd's
+    and dlhs' lhs (x, dy; quantized along their features) and both of drhs (x, dy; along the
+    tokens)."""
+    out = [("fwd", recipe.fwd, recipe.fwd.lhs, False),
+           ("dlhs", recipe.dlhs, recipe.dlhs.lhs, False)]
+    out += [("drhs", recipe.drhs, spec, True) for spec in (recipe.drhs.lhs, recipe.drhs.rhs)]
+    return out
+
+
+def _two_d(spec: QuantSpec | None) -> bool:
+    return spec is not None and spec.block_shape is not None and len(spec.block_shape) == 2
+
+
 def row_multiple(recipe: Recipe) -> int:
-    """Rows per tile of the emulation (:data:`MIN_ROWS` or more): a multiple of every block,
-    2-D tile, Hadamard block and TetraJet-v2 outer block that runs along the tokens in any of
-    the recipe's GEMMs, so a tile never splits one; every group starts at a multiple of it."""
-    m = MIN_ROWS
-    for g in (recipe.fwd, recipe.dlhs, recipe.drhs):
-        m = max(m, g.hadamard or 1)
-        for spec in (g.lhs, g.rhs):
-            if spec is None or spec.granularity != "block":
-                continue
-            m = max(m, *(spec.block_shape or (_formats.get(spec.format).block_size,)))
-            m = max(m, spec.tensor_block or 1)
+    """``q``: the longest run along the tokens of any block, 2-D tile, Hadamard block or
+    TetraJet-v2 outer block of the recipe (1 when none); in the emulation's token layout each
+    group starts at a multiple of it, so no block holds two groups' rows."""
+    m = recipe.drhs.hadamard or 1
+    for _, _, spec, along in _row_side(recipe):
+        if spec is None or spec.granularity != "block":
+            continue
+        if along:
+            m = max(m, (spec.block_shape or (_formats.get(spec.format).block_size,))[0],
+                    spec.tensor_block or 1)
+        elif _two_d(spec):
+            m = max(m, spec.block_shape[1])
     return int(m)
 
 
 def _stat(spec: QuantSpec | None, along_rows: bool) -> str | None:
     """How a row-side operand's tensor-wide quantity is taken per group: None (it has none),
-    ``"amax"`` (a tensor amax, given to each tile), ``"masked"`` (quantize each group as one
-    tensor with the other groups' rows zeroed)."""
+    ``"amax"`` (a tensor amax, given to each row or tile), ``"masked"`` (quantize each group
+    as one tensor with the other groups' rows zeroed)."""
     if spec is None:
         return None
     if spec.granularity == "tensor":
@@ -114,24 +132,22 @@ def ungroupable(recipe: str | Recipe) -> str | None:
     activations, the output gradient) whose scale is a mean over the tensor (absmean) or that
     is clipped to an RMS taken along the rows."""
     r = _recipes.get(recipe)
-    for name, gemm in (("fwd", r.fwd), ("dlhs", r.dlhs), ("drhs", r.drhs)):
-        # row-side operands: fwd's and dlhs' lhs (x, dy), both of drhs (x, dy along rows)
-        sides = (("lhs", gemm.lhs), ("rhs", gemm.rhs)) if name == "drhs" else (
-            ("lhs", gemm.lhs),)
-        for side, spec in sides:
-            if spec is None:
-                continue
-            if spec.granularity == "block" and _formats.get(spec.format).is_absmean:
-                return (f"recipe {r.name!r}: its {name} {side} spec ({spec.format}) scales by "
-                        "a mean over the whole tensor, which a group's tiles cannot give")
-            if name == "drhs" and spec.clip_rms is not None:
-                return (f"recipe {r.name!r}: its {name} {side} spec clips to an RMS over a "
-                        "group's rows, which the group's tiles cannot give")
+    for name, _, spec, along in _row_side(r):
+        if spec is None:
+            continue
+        side = "lhs" if spec is (r.fwd.lhs, r.dlhs.lhs, r.drhs.lhs)[
+            ("fwd", "dlhs", "drhs").index(name)] else "rhs"
+        if spec.granularity == "block" and _formats.get(spec.format).is_absmean:
+            return (f"recipe {r.name!r}: its {name} {side} spec ({spec.format}) scales by "
+                    "a mean over the whole tensor, which a group's tiles cannot give")
+        if along and spec.clip_rms is not None:
+            return (f"recipe {r.name!r}: its {name} {side} spec clips to an RMS over a "
+                    "group's rows, which the group's tiles cannot give")
     return None
 
 
 # --------------------------------------------------------------------------------------------
-# The row layout
+# The row layouts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +158,7 @@ class _Shape:
     k: int
     n: int
     groups: int
-    rows: int  # P: rows per tile and chunk
+    q: int  # rows per tile of the token layout
     recipe: Recipe
     out_dtype: np.dtype
     lhs_dtype: np.dtype
@@ -150,52 +166,57 @@ class _Shape:
     impl: Implementation
 
     @property
-    def chunks(self) -> int:
-        """Chunks of the padded layout: enough for any group sizes summing to at most M."""
-        return -(-self.m // self.rows) + self.groups
+    def tiles(self) -> int:
+        """Tiles of the token layout: enough for any group sizes summing to at most M, and a
+        whole number of :data:`CHUNK_ROWS` chunks (no copy to pad it for the GEMM's scan)."""
+        t = -(-self.m // self.q) + self.groups
+        per = max(1, CHUNK_ROWS // self.q)
+        return -(-t // per) * per
 
     @property
     def padded(self) -> int:
-        return self.chunks * self.rows
+        return self.tiles * self.q
 
 
 class _Layout:
-    """Where each row goes: ``chunk_group [C]`` (G for an empty chunk), ``chunk_index [C]``
-    (its index within its group), ``row_group [C*P]`` (G for padding), ``src [C*P]`` (the
-    lhs row of each padded row, M for padding), ``dst [M]`` (the padded row of each lhs row,
-    C*P for rows past the groups)."""
+    """Where each row goes. Caller's order: ``row_group [M]`` (G past the groups),
+    ``row_index [M]`` (the row's index in its group). Token layout (each group from a multiple
+    of q, zero rows between): ``pad_group [Mp]`` (the group a padded row belongs to, its zero
+    padding included; G past the groups), ``tile_group`` / ``tile_index [Mp/q]``, ``src``
+    (the caller's row of each padded row, M for padding) and ``dst`` (the padded row of each
+    caller's row, Mp past the groups)."""
 
     def __init__(self, sizes, st: _Shape):
-        p, g = st.rows, st.groups
+        q, g = st.q, st.groups
         n = jnp.maximum(sizes.astype(jnp.int32), 0)
         ends = jnp.cumsum(n)
         starts = ends - n
-        pn = -(-n // p) * p
+        i = jnp.arange(st.m, dtype=jnp.int32)
+        self.row_group = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+        gc = jnp.minimum(self.row_group, g - 1)
+        self.row_index = (i - starts[gc]).astype(jnp.uint32)
+        pn = -(-n // q) * q
         pends = jnp.cumsum(pn)
         pstarts = pends - pn
         r = jnp.arange(st.padded, dtype=jnp.int32)
-        grp = jnp.searchsorted(pends, r, side="right").astype(jnp.int32)  # G past the end
-        gc = jnp.minimum(grp, g - 1)
-        off = r - pstarts[gc]
-        valid = (grp < g) & (off < n[gc])
-        self.row_group = jnp.where(valid, grp, g)
-        self.src = jnp.where(valid, starts[gc] + off, st.m)
-        c0 = jnp.arange(st.chunks, dtype=jnp.int32) * p
-        self.chunk_group = jnp.searchsorted(pends, c0, side="right").astype(jnp.int32)
-        # a chunk's index within its group: its rounding stream depends on nothing else
-        self.chunk_index = ((c0 - pstarts[jnp.minimum(self.chunk_group, g - 1)]) // p
-                            ).astype(jnp.uint32)
-        i = jnp.arange(st.m, dtype=jnp.int32)
-        gi = jnp.minimum(jnp.searchsorted(ends, i, side="right").astype(jnp.int32), g - 1)
-        self.dst = jnp.where(i < ends[-1], pstarts[gi] + i - starts[gi], st.padded)
+        self.pad_group = jnp.searchsorted(pends, r, side="right").astype(jnp.int32)
+        pgc = jnp.minimum(self.pad_group, g - 1)
+        off = r - pstarts[pgc]
+        valid = (self.pad_group < g) & (off < n[pgc])
+        self.src = jnp.where(valid, starts[pgc] + off, st.m)
+        self.dst = jnp.where(self.row_group < g, pstarts[gc] + i - starts[gc], st.padded)
+        t0 = jnp.arange(st.tiles, dtype=jnp.int32) * q
+        self.tile_group = jnp.searchsorted(pends, t0, side="right").astype(jnp.int32)
+        self.tile_index = ((t0 - pstarts[jnp.minimum(self.tile_group, g - 1)]) // q
+                           ).astype(jnp.uint32)
 
     def spread(self, x):
-        """``[M, D] -> [C*P, D]`` in the padded layout (zero rows between groups)."""
+        """``[M, D] -> [Mp, D]`` in the token layout (zero rows between groups)."""
         x = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
         return x[self.src]
 
     def gather(self, y):
-        """``[C*P, D] -> [M, D]``: each lhs row's result, zeros past the groups."""
+        """``[Mp, D] -> [M, D]``: each caller's row, zeros past the groups."""
         y = jnp.concatenate([y, jnp.zeros((1, y.shape[1]), y.dtype)])
         return y[self.dst]
 
@@ -220,76 +241,64 @@ def _signs(gemm: GemmSpec, gkeys, tag: int, groups: int):
     return jax.vmap(lambda k: gemm_signs(gemm, k, tag))(gkeys)
 
 
-def _chunk_keys(gkeys, tags, lay: _Layout, st: _Shape):
-    """Per-chunk rounding keys: the group's key folded with ``tags`` and the chunk's index
-    within its group (so a group's bits depend on its own rows alone)."""
-    if gkeys is None:
+def _needs_key(spec: QuantSpec | None) -> bool:
+    return spec is not None and (spec.stochastic or spec.rounding == "eden")
+
+
+def _unit_keys(gkeys, tags, group, index, groups: int, spec):
+    """Rounding keys per row or tile: its group's key folded with ``tags`` and its index in
+    the group (so a group's bits depend on its own rows alone); None when ``spec`` draws
+    none."""
+    if gkeys is None or not _needs_key(spec):
         return None
-    g = jnp.minimum(lay.chunk_group, st.groups - 1)
-    return jax.vmap(lambda k, i: fold_key(k, *tags, i))(gkeys[g], lay.chunk_index)
+    g = jnp.minimum(group, groups - 1)
+    return jax.vmap(lambda k, i: fold_key(k, *tags, i))(gkeys[g], index)
 
 
-def _per_chunk(a, lay: _Layout, st: _Shape):
-    """A per-group array ``[G, ...]`` (or None) indexed per chunk."""
-    if a is None:
-        return None
-    return a[jnp.minimum(lay.chunk_group, st.groups - 1)]
+def _axes(a):
+    return None if a is None else 0
 
 
-def _quantize_rows(x, spec, gemm: GemmSpec, along_rows: bool, tags, gkeys, signs, lay, st,
-                   *, with_mask=False, transform=True):
-    """One row-side operand ``x [C*P, D]`` of ``gemm``, quantized per group: along its
-    features (``along_rows`` False: the forward's x, dlhs' dy) or along the rows (the weight
-    gradient's x and dy). ``signs [G, h]`` (or None); ``transform``: apply ``gemm``'s
-    Hadamard (False: ``x`` is in its basis already). Returns values (and the trust mask or
-    None with ``with_mask``), ``[C*P, D]``."""
-    p, d = st.rows, x.shape[1]
-    axis, other = (0, 1) if along_rows else (1, 0)
-    h = gemm.hadamard if transform else None
-    g1 = dataclasses.replace(gemm, hadamard=h)
-    kind = _stat(spec, along_rows)
+def _group_amax(xs, axes, group, groups: int):
+    """Each unit's group amax (finite values): units ``xs [U, ...]`` with groups ``group``."""
+    finite = jnp.where(jnp.isfinite(xs), jnp.abs(xs), 0.0)
+    gmax = jax.ops.segment_max(jnp.max(finite, axis=axes), group, groups + 1)
+    return jnp.maximum(gmax, 0.0)[group]
+
+
+def _quantize_units(xu, spec, gemm: GemmSpec, axis, other, keys, signs, group, st, with_mask,
+                    *, along_rows: bool):
+    """Quantize units ``xu [U, ...]`` (rows or tiles) of one group each, vmapped: the group's
+    Hadamard signs ``signs [U, h]``, keys ``[U, 2]``, and its amax where the spec has one."""
     native = st.impl.cpu_kernel
-    xc = x.reshape(st.chunks, p, d)
-    ck = _chunk_keys(gkeys, tags, lay, st)
-    cs = _per_chunk(signs, lay, st)
-    if kind == "masked":
-        return _quantize_masked(x, spec, g1, axis, other, tags, gkeys, signs, lay, st,
-                                with_mask=with_mask)
-
-    def one(xt, k, s, amax):
-        return prepare_operand(xt, spec, g1, axis, other, k, s, use_barrier=False,
-                               native=native, with_mask=with_mask, tensor_amax=amax)
-
+    h = gemm.hadamard
     amax = None
-    if kind == "amax":
+    if _stat(spec, along_rows) == "amax":
         if h:  # transform here, so the group's amax is the rotated tensor's
-            xc = jax.vmap(lambda xt, s: hadamard_along(xt, axis, h, s),
-                          in_axes=(0, None if cs is None else 0))(xc, cs)
-            g1 = dataclasses.replace(gemm, hadamard=None)
-        xs = jax.vmap(lambda xt: apply_static_amax(clip_to_rms(xt, spec, axis), spec)[0])(xc)
-        finite = jnp.where(jnp.isfinite(xs), jnp.abs(xs), 0.0)
-        chunk_amax = jnp.max(finite, axis=(1, 2))
-        gmax = jax.ops.segment_max(chunk_amax, lay.chunk_group, st.groups + 1)
-        amax = jnp.maximum(gmax, 0.0)[lay.chunk_group]
-    out = jax.vmap(one, in_axes=(0, None if ck is None else 0,
-                                 None if cs is None or not g1.hadamard else 0,
-                                 None if amax is None else 0))(
-        xc, ck, cs if g1.hadamard else None, amax)
-    if with_mask:
-        v, m = out
-        return v.reshape(x.shape), (None if m is None else m.reshape(x.shape))
-    return out.reshape(x.shape)
+            xu = jax.vmap(lambda xt, s: hadamard_along(xt, axis, h, s),
+                          in_axes=(0, _axes(signs)))(xu, signs)
+            gemm, h = dataclasses.replace(gemm, hadamard=None), None
+        xs = jax.vmap(lambda xt: apply_static_amax(clip_to_rms(xt, spec, axis), spec)[0])(xu)
+        amax = _group_amax(xs, tuple(range(1, xu.ndim)), group, st.groups)
+
+    def one(xt, k, s, a):
+        return prepare_operand(xt, spec, gemm, axis, other, k, s, use_barrier=False,
+                               native=native, with_mask=with_mask, tensor_amax=a)
+
+    s = signs if h else None
+    return jax.vmap(one, in_axes=(0, _axes(keys), _axes(s), _axes(amax)))(xu, keys, s, amax)
 
 
-def _quantize_masked(x, spec, gemm, axis, other, tags, gkeys, signs, lay, st, *, with_mask):
-    """Each group quantized as one tensor (the whole padded layout with the other groups'
-    rows zeroed: a zero changes no maximum), G passes; each row keeps its own group's."""
+def _quantize_masked(x, spec, gemm, axis, other, tags, gkeys, signs, groups_of_rows, st,
+                     *, with_mask):
+    """Each group quantized as one tensor (``x`` with the other groups' rows zeroed: a zero
+    changes no maximum), G passes; each row keeps its own group's values."""
     native = st.impl.cpu_kernel
 
     def body(g, acc):
         k = None if gkeys is None else fold_key(gkeys[g], *tags)
         s = None if signs is None else signs[g]
-        mine = (lay.row_group == g)[:, None]
+        mine = (groups_of_rows == g)[:, None]
         q = prepare_operand(jnp.where(mine, x, 0.0), spec, gemm, axis, other, k, s,
                             use_barrier=False, native=native, with_mask=with_mask)
         if with_mask:
@@ -305,10 +314,53 @@ def _quantize_masked(x, spec, gemm, axis, other, tags, gkeys, signs, lay, st, *,
     return lax.fori_loop(0, st.groups, body, init)
 
 
+def _tokens(xp, spec, gemm: GemmSpec, axis, tags, gkeys, signs, lay: _Layout, st: _Shape,
+            *, with_mask=False):
+    """An operand in the token layout ``[Mp, D]`` quantized ``q`` rows at a time: along the
+    tokens (``axis`` 0, a weight-gradient operand) or along its features with a 2-D tile
+    spanning the tokens (``axis`` 1)."""
+    other = 1 - axis
+    if _stat(spec, axis == 0) == "masked":
+        return _quantize_masked(xp, spec, gemm, axis, other, tags, gkeys, signs,
+                                lay.pad_group, st, with_mask=with_mask)
+    xt = xp.reshape(st.tiles, st.q, xp.shape[1])
+    tg = jnp.minimum(lay.tile_group, st.groups - 1)
+    keys = _unit_keys(gkeys, tags, lay.tile_group, lay.tile_index, st.groups, spec)
+    out = _quantize_units(xt, spec, gemm, axis, other, keys,
+                          None if signs is None else signs[tg], lay.tile_group, st, with_mask,
+                          along_rows=axis == 0)
+    if with_mask:
+        v, m = out
+        return v.reshape(xp.shape), (None if m is None else m.reshape(xp.shape))
+    return out.reshape(xp.shape)
+
+
+def _features(x, spec, gemm: GemmSpec, tags, gkeys, signs, lay: _Layout, st: _Shape,
+              *, with_mask=False):
+    """A row-side operand ``[M, D]`` in the caller's order quantized along its features
+    (the forward's x, the input gradient's dy), row by row with its group's signs, keys and
+    amax; a 2-D tile spanning the tokens goes through the token layout."""
+    if _two_d(spec):
+        out = _tokens(lay.spread(x), spec, gemm, 1, tags, gkeys, signs, lay, st,
+                      with_mask=with_mask)
+        if with_mask:
+            v, m = out
+            return lay.gather(v), (None if m is None else lay.gather(m.astype(jnp.float32)) > 0)
+        return lay.gather(out)
+    if _stat(spec, False) == "masked":
+        return _quantize_masked(x, spec, gemm, 1, 0, tags, gkeys, signs, lay.row_group, st,
+                                with_mask=with_mask)
+    rg = jnp.minimum(lay.row_group, st.groups - 1)
+    keys = _unit_keys(gkeys, tags, lay.row_group, lay.row_index, st.groups, spec)
+    return _quantize_units(x, spec, gemm, 0, None, keys,
+                           None if signs is None else signs[rg], lay.row_group, st, with_mask,
+                           along_rows=False)
+
+
 def _quantize_weights(w, spec, gemm: GemmSpec, axis, other, tags, gkeys, signs, st,
                       *, with_mask=False):
-    """The weight stack ``[G, K, N]`` (or its gradient-side view), each group's weight as
-    :func:`lowbit.dot_general` quantizes a weight (vmapped over groups)."""
+    """The weight stack ``[G, K, N]``, each group's weight as :func:`lowbit.dot_general`
+    quantizes a weight (vmapped over groups)."""
     native = st.impl.cpu_kernel
 
     def one(wg, k, s):
@@ -316,19 +368,23 @@ def _quantize_weights(w, spec, gemm: GemmSpec, axis, other, tags, gkeys, signs, 
         return prepare_operand(wg, spec, gemm, axis, other, kk, s, use_barrier=False,
                                native=native, with_mask=with_mask)
 
-    return jax.vmap(one, in_axes=(0, None if gkeys is None else 0,
-                                  None if signs is None else 0))(w, gkeys, signs)
+    return jax.vmap(one, in_axes=(0, _axes(gkeys), _axes(signs)))(w, gkeys, signs)
+
+
+def _per_row(fn, x, *per_group, lay: _Layout, st: _Shape):
+    """``fn(row, *group values)`` vmapped over the caller's rows (None stays None)."""
+    rg = jnp.minimum(lay.row_group, st.groups - 1)
+    vals = [None if a is None else a[rg] for a in per_group]
+    return jax.vmap(fn, in_axes=(0, *(_axes(a) for a in vals)))(x, *vals)
 
 
 def _unrotate_rows(x, gemm: GemmSpec, signs, lay, st):
     """Undo ``gemm``'s Hadamard along the features of a row-side operand (per group)."""
     if not gemm.hadamard:
         return x
-    cs = _per_chunk(signs, lay, st)
-    xc = x.reshape(st.chunks, st.rows, x.shape[1])
-    f = lambda xt, s: _hadamard.hadamard_transform(  # noqa: E731
-        xt, gemm.hadamard, signs=s, inverse=True, axis=1)
-    return jax.vmap(f, in_axes=(0, None if cs is None else 0))(xc, cs).reshape(x.shape)
+    f = lambda xr, s: _hadamard.hadamard_transform(  # noqa: E731
+        xr, gemm.hadamard, signs=s, inverse=True, axis=0)
+    return _per_row(f, x, signs, lay=lay, st=st)
 
 
 def _unrotate_weights(w, gemm: GemmSpec, signs, axis):
@@ -336,14 +392,12 @@ def _unrotate_weights(w, gemm: GemmSpec, signs, axis):
         return w
     f = lambda wg, s: _hadamard.hadamard_transform(  # noqa: E731
         wg, gemm.hadamard, signs=s, inverse=True, axis=axis)
-    return jax.vmap(f, in_axes=(0, None if signs is None else 0))(w, signs)
+    return jax.vmap(f, in_axes=(0, _axes(signs)))(w, signs)
 
 
-def _through(g, mask, gemm: GemmSpec, signs, axis, rotated: bool, vmapped):
+def _through_fn(gemm: GemmSpec, axis: int, rotated: bool):
     """The gradient of a forward operand carried back through the forward's quantizer (trust
-    mask, Hadamard basis), as :func:`lowbit.dot_general` does, per group."""
-    if mask is None and not rotated:
-        return g
+    mask, Hadamard basis), as :func:`lowbit.dot_general` does: for one row or one weight."""
     h = gemm.hadamard
 
     def one(gx, m, s):
@@ -355,7 +409,7 @@ def _through(g, mask, gemm: GemmSpec, signs, axis, rotated: bool, vmapped):
             gx = _hadamard.hadamard_transform(gx, h, signs=s, axis=axis, inverse=True)
         return gx
 
-    return vmapped(one, g, mask, signs)
+    return one
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,44 +421,67 @@ def _dot(a, b):
                            preferred_element_type=jnp.float32)
 
 
-def _grouped_mm(a, b, lay: _Layout, st: _Shape, *, transpose_b: bool = False):
-    """``[C*P, K] x [G, K, N] -> [C*P, N]``, each chunk against its group's matrix (``b``
-    transposed per group with ``transpose_b``); empty chunks give zeros."""
-    nout = b.shape[1] if transpose_b else b.shape[2]
-    ac = a.reshape(st.chunks, st.rows, a.shape[1])
+def _chunks(groups_of_rows, st: _Shape, *arrays):
+    """Rows in chunks of :data:`CHUNK_ROWS` (the last padded, its rows in no group):
+    ``(group [C, R], arrays [C, R, D]...)``."""
+    rows = groups_of_rows.shape[0]
+    r = min(CHUNK_ROWS, rows)
+    c = -(-rows // r)
+    pad = c * r - rows
+    if pad:
+        groups_of_rows = jnp.concatenate([groups_of_rows, jnp.full((pad,), st.groups,
+                                                                   jnp.int32)])
+        arrays = [jnp.concatenate([a, jnp.zeros((pad, a.shape[1]), a.dtype)]) for a in arrays]
+    return groups_of_rows.reshape(c, r), [a.reshape(c, r, -1) for a in arrays]
+
+
+def _span(gc, st: _Shape):
+    """The first and last group among a chunk's rows (sorted by group; G: none)."""
+    lo = gc[0]
+    hi = jnp.max(jnp.where(gc < st.groups, gc, -1))
+    return lo, hi
+
+
+def _grouped_mm(a, b, groups_of_rows, st: _Shape, *, transpose_b: bool = False):
+    """``a [R, K]`` (rows sorted by group, ``groups_of_rows [R]``) times ``b [G, K, N]``
+    (each group's matrix, transposed with ``transpose_b``) -> ``[R, N]``; rows in no group
+    give zeros."""
+    rows, nout = a.shape[0], (b.shape[1] if transpose_b else b.shape[2])
+    gcs, (acs,) = _chunks(groups_of_rows, st, a)
 
     def step(_, xs):
-        at, g = xs
+        gc, ac = xs
+        lo, hi = _span(gc, st)
 
-        def live():
-            bg = lax.dynamic_index_in_dim(b, jnp.minimum(g, st.groups - 1), 0, keepdims=False)
-            return _dot(at, bg.T if transpose_b else bg)
+        def one(g, acc):
+            bg = lax.dynamic_index_in_dim(b, g, 0, keepdims=False)
+            y = _dot(ac, bg.T if transpose_b else bg)
+            return jnp.where((gc == g)[:, None], y, acc)
 
-        return None, lax.cond(g < st.groups, live,
-                              lambda: jnp.zeros((st.rows, nout), jnp.float32))
+        return None, lax.fori_loop(lo, hi + 1, one, jnp.zeros((ac.shape[0], nout), jnp.float32))
 
-    _, y = lax.scan(step, None, (ac, lay.chunk_group))
-    return y.reshape(st.padded, nout)
+    _, y = lax.scan(step, None, (gcs, acs))
+    return y.reshape(-1, nout)[:rows]
 
 
-def _grouped_wgrad(a, d, lay: _Layout, st: _Shape):
-    """``sum over each group's rows of a^T d``: ``[C*P, K], [C*P, N] -> [G, K, N]`` (zero
-    for an empty group)."""
-    ac = a.reshape(st.chunks, st.rows, a.shape[1])
-    dc = d.reshape(st.chunks, st.rows, d.shape[1])
+def _grouped_wgrad(a, d, groups_of_rows, st: _Shape):
+    """``sum over each group's rows of a^T d``: ``[R, K], [R, N] -> [G, K, N]`` (zero for an
+    empty group)."""
+    gcs, (acs, dcs) = _chunks(groups_of_rows, st, a, d)
 
     def step(acc, xs):
-        at, dt, g = xs
+        gc, ac, dc = xs
+        lo, hi = _span(gc, st)
 
-        def live(acc):
-            gi = jnp.minimum(g, st.groups - 1)
-            cur = lax.dynamic_index_in_dim(acc, gi, 0, keepdims=False)
-            return lax.dynamic_update_index_in_dim(acc, cur + _dot(at.T, dt), gi, 0)
+        def one(g, acc):
+            cur = lax.dynamic_index_in_dim(acc, g, 0, keepdims=False)
+            part = _dot(jnp.where((gc == g)[:, None], ac, 0.0).T, dc)
+            return lax.dynamic_update_index_in_dim(acc, cur + part, g, 0)
 
-        return lax.cond(g < st.groups, live, lambda acc: acc, acc), None
+        return lax.fori_loop(lo, hi + 1, one, acc), None
 
     init = jnp.zeros((st.groups, a.shape[1], d.shape[1]), jnp.float32)
-    acc, _ = lax.scan(step, init, (ac, dc, lay.chunk_group))
+    acc, _ = lax.scan(step, init, (gcs, acs, dcs))
     return acc
 
 
@@ -417,7 +494,7 @@ def _forward(x, w, gkeys, lay, st: _Shape, masks: bool):
     mw)`` (masks None unless asked for and the specs have them)."""
     f = st.recipe.fwd
     signs = _signs(f, gkeys, _FWD, st.groups)
-    xq = _quantize_rows(x, f.lhs, f, False, (_FWD, 0), gkeys, signs, lay, st, with_mask=masks)
+    xq = _features(x, f.lhs, f, (_FWD, 0), gkeys, signs, lay, st, with_mask=masks)
     wq = _quantize_weights(w, f.rhs, f, 0, 1, (_FWD, 1), gkeys, signs, st, with_mask=masks)
     if masks:
         (xq, mx), (wq, mw) = xq, wq
@@ -442,10 +519,10 @@ def _rdot(lhs, rhs, sizes, key, st: _Shape):
 def _rdot_fwd(lhs, rhs, sizes, key, st: _Shape):
     lay = _Layout(sizes, st)
     gkeys = _group_keys(key, st.groups)
-    x = lay.spread(barrier(lhs.astype(jnp.float32)))
+    x = barrier(lhs.astype(jnp.float32))
     w = barrier(rhs.astype(jnp.float32))
     xq, wq, _, _, _ = _forward(x, w, gkeys, lay, st, masks=False)
-    y = lay.gather(_grouped_mm(xq, wq, lay, st))
+    y = _grouped_mm(xq, wq, lay.row_group, st)
     y = _poison(y, _check_sizes(sizes, st.m))
     return y.astype(st.out_dtype), (lhs, rhs, sizes, key)
 
@@ -456,43 +533,46 @@ def _rdot_bwd(st: _Shape, res, dy):
     dl, dr, f = r.dlhs, r.drhs, r.fwd
     lay = _Layout(sizes, st)
     gkeys = _group_keys(key, st.groups)
-    x = lay.spread(lhs.astype(jnp.float32))
+    x = lhs.astype(jnp.float32)
     w = rhs.astype(jnp.float32)
-    g = lay.spread(barrier(dy.astype(jnp.float32)))
+    g = barrier(dy.astype(jnp.float32))
     rotated = r.backward_operands == "forward"
     xq, wq, fsigns, mx, mw = _forward(x, w, gkeys, lay, st, masks=r.through_forward)
     s_dl = _signs(dl, gkeys, _DLHS, st.groups)
     s_dr = _signs(dr, gkeys, _DRHS, st.groups)
-    # dlhs = dy . w^T per group: dy along N, the weight along N (its axis 1 of [K, N]).
+    # dlhs = dy . w^T per group: dy along N, the weight along N (axis 1 of its [K, N]);
+    # drhs = x^T . dy per group: both along the group's tokens, in the token layout.
     if rotated:
         w_dl = _quantize_weights(wq, dl.rhs, dl, 1, 0, (_DLHS, 1), gkeys, s_dl, st)
-        x_dr = _quantize_rows(xq, dr.lhs, dr, True, (_DRHS, 0), gkeys, s_dr, lay, st)
+        x_src = xq
     else:
         w_src = w if dl.rhs is not None else _unrotate_weights(wq, f, fsigns, 0)
         w_dl = _quantize_weights(w_src, dl.rhs, dl, 1, 0, (_DLHS, 1), gkeys, s_dl, st)
         x_src = x if dr.lhs is not None else _unrotate_rows(xq, f, fsigns, lay, st)
-        x_dr = _quantize_rows(x_src, dr.lhs, dr, True, (_DRHS, 0), gkeys, s_dr, lay, st)
-    g_dl = _quantize_rows(g, dl.lhs, dl, False, (_DLHS, 0), gkeys, s_dl, lay, st)
-    g_dr = _quantize_rows(g, dr.rhs, dr, True, (_DRHS, 1), gkeys, s_dr, lay, st)
-    dx = _grouped_mm(g_dl, w_dl, lay, st, transpose_b=True)
-    dw = _grouped_wgrad(x_dr, g_dr, lay, st)
+    if dr.active:
+        x_dr = _tokens(lay.spread(x_src), dr.lhs, dr, 0, (_DRHS, 0), gkeys, s_dr, lay, st)
+        g_dr = _tokens(lay.spread(g), dr.rhs, dr, 0, (_DRHS, 1), gkeys, s_dr, lay, st)
+        dw = _grouped_wgrad(x_dr, g_dr, lay.pad_group, st)
+    else:  # nothing to quantize or transform along the tokens: the caller's rows serve
+        dw = _grouped_wgrad(x_src, g, lay.row_group, st)
+    g_dl = _features(g, dl.lhs, dl, (_DLHS, 0), gkeys, s_dl, lay, st)
+    dx = _grouped_mm(g_dl, w_dl, lay.row_group, st, transpose_b=True)
     if r.through_forward:
-        def rows(fn, gx, m, s):
-            cs = _per_chunk(s, lay, st)
-            shp = (st.chunks, st.rows, gx.shape[1])
-            out = jax.vmap(fn, in_axes=(0, None if m is None else 0, None if cs is None else 0))(
-                gx.reshape(shp), None if m is None else m.reshape(shp), cs)
-            return out.reshape(gx.shape)
-
-        def stack(fn, gw, m, s):
-            return jax.vmap(fn, in_axes=(0, None if m is None else 0,
-                                         None if s is None else 0))(gw, m, s)
-
-        dx = _through(dx, mx, f, fsigns, 1, rotated, rows)
-        dw = _through(dw, mw, f, fsigns, 0, rotated, stack)
+        if mx is not None or rotated:
+            dx = _per_row_masked(_through_fn(f, 0, rotated), dx, mx, fsigns, lay, st)
+        if mw is not None or rotated:
+            dw = jax.vmap(_through_fn(f, 0, rotated), in_axes=(0, _axes(mw), _axes(fsigns)))(
+                dw, mw, fsigns)
     ok = _check_sizes(sizes, st.m)
-    dlhs = _poison(lay.gather(dx), ok).astype(st.lhs_dtype)
+    dlhs = _poison(dx, ok).astype(st.lhs_dtype)
     return dlhs, _poison(dw, ok).astype(st.rhs_dtype), None, None
+
+
+def _per_row_masked(fn, dx, mask, signs, lay: _Layout, st: _Shape):
+    """``fn(row, its mask, its group's signs)`` over the caller's rows (None stays None)."""
+    rg = jnp.minimum(lay.row_group, st.groups - 1)
+    s = None if signs is None else signs[rg]
+    return jax.vmap(fn, in_axes=(0, _axes(mask), _axes(s)))(dx, mask, s)
 
 
 _rdot.defvjp(_rdot_fwd, _rdot_bwd)
