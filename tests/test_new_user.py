@@ -5,6 +5,7 @@ the package metadata installs without setuptools' deprecation."""
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 import tomllib
@@ -170,3 +171,72 @@ def test_heuristic_rules_print_recipe_names():
     assert repr(rules) == "[('attn_proj', 'nvfp4'), ('mlp', 'nvfp4')]"
     custom = lb.recipes.get("nvfp4").replace(name="mine")
     assert aq.heuristic(Net(nnx.Rngs(0)), "all", low=custom)[0][1] is custom  # kept as given
+
+
+def test_padding_is_documented_and_warned_once_per_format_length_and_block():
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+
+    import lowbit as lb
+    from lowbit.core.plan import PaddingWarning
+
+    for fn in (lb.quantize, lb.fake_quantize):
+        assert "zero-padded" in fn.__doc__ and "PaddingWarning" in fn.__doc__
+    x = jnp.ones((3, 3001))  # lengths no other test uses: the warning is once per process
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        q = lb.quantize(x, "mxfp4")
+        step = jax.jit(lambda x: lb.fake_quantize(x, "mxfp4"))
+        for _ in range(3):  # a training loop: traced again for a new dtype, same case
+            step(x), step(x.astype(jnp.bfloat16)), lb.dequantize(q)
+        lb.fake_quantize(x, "mxfp4", block_shape=(64,))  # another block: said again
+        lb.fake_quantize(jnp.ones((3001, 3)), "nvfp4", axis=0)  # another format
+    said = [w for w in seen if issubclass(w.category, PaddingWarning)]
+    assert len(said) == 3, [str(w.message) for w in said]
+    msg = str(said[0].message)
+    assert "mxfp4" in msg and "length 3001" in msg and "block size 32" in msg
+    assert "zero-padded to 3008" in msg and "never change a block's scale" in msg
+    assert said[0].filename == __file__  # points at the caller, not into lowbit
+    assert "block size 64" in str(said[1].message) and "nvfp4" in str(said[2].message)
+    assert q.shape == (3, 3001) and q.scales.shape == (3, 94)  # the QArray keeps x's shape
+    assert lb.dequantize(q).shape == (3, 3001)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # padding to a block multiple: nothing to say
+        lb.quantize(jnp.ones((3, 64)), "mxfp4")
+
+
+def test_block_shapes_that_cannot_pack_or_are_not_ints_name_what_is_accepted():
+    """Other blocks than the specification's are a documented research option (see
+    ``lowbit.core.plan.check_block_shape``); what cannot be stored is refused by name."""
+    import jax.numpy as jnp
+
+    import lowbit as lb
+
+    x = jnp.ones((96, 96))
+    for fn in (lb.quantize, lb.fake_quantize):
+        with pytest.raises(ValueError, match=r"block_shape=\(33,\): the last block extent must "
+                                             r"be a multiple of 2 to pack"):
+            fn(x, "mxfp4", -1, block_shape=(33,))
+    with pytest.raises(ValueError, match=r"block_shape must be None, \(b,\) or \(b0, b1\) "
+                                         r"with positive int entries, got 32\.0"):
+        lb.quantize(x, "mxfp4", block_shape=32.0)
+    with pytest.raises(ValueError, match=r"positive int entries, got \(0,\)"):
+        lb.quantize(x, "mxfp4", block_shape=(0,))
+    from lowbit.core import plan
+    assert "research option" in plan.check_block_shape.__doc__
+
+
+@pytest.mark.parametrize("fmt,block_shape", [
+    ("mxfp4", (16,)), ("mxfp4", (64,)), ("mxfp6", (8,)), ("nvfp4", (16, 16)), ("mxint8", (32, 8)),
+    ("mxfp4", (24,)), ("mxfp8", (48,)),
+])
+def test_other_blocks_are_accepted(fmt, block_shape):
+    import jax.numpy as jnp
+
+    import lowbit as lb
+
+    axis = (0, 1) if len(block_shape) == 2 else -1
+    q = lb.quantize(jnp.ones((64, 64)), fmt, axis, block_shape=block_shape)
+    assert q.block_shape == block_shape

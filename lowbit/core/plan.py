@@ -22,6 +22,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
+import sys
+import warnings
 
 import jax
 import numpy as np
@@ -32,7 +35,7 @@ from lowbit.core.scales import FOUR_OVER_SIX_METRICS
 
 __all__ = [
     "Plan", "make_plan", "scale_mode_of", "check_prescale", "check_tensor_block", "check_eden",
-    "SCALE_MODES",
+    "check_block_shape", "PaddingWarning", "SCALE_MODES",
     "NVFP4_SCALE_MODES", "ROUNDINGS",
 ]
 
@@ -122,6 +125,90 @@ class Plan:
     @property
     def moves_axes(self) -> bool:
         return self.perm != tuple(range(len(self.shape)))
+
+
+class PaddingWarning(UserWarning):
+    """A quantized axis is zero-padded to a multiple of its block (see :func:`make_plan`).
+    Silence it with ``warnings.filterwarnings("ignore", category=PaddingWarning)``."""
+
+
+_PADDING_SEEN: set[tuple[str, int, int]] = set()
+
+
+def _caller_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel, from :func:`_warn_padding`, of the first frame outside
+    lowbit and the libraries it traces through (jax, flax): the line that asked for the
+    quantization rather than tracing code."""
+    quiet = tuple(
+        os.path.dirname(m.__file__) + os.sep
+        for m in (sys.modules.get(n) for n in ("lowbit", "jax", "flax"))
+        if getattr(m, "__file__", None)
+    )
+    frame, level = sys._getframe(2), 2  # make_plan: stacklevel 2 from _warn_padding
+    while frame is not None and frame.f_code.co_filename.startswith(quiet):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
+def _warn_padding(fmt: BlockFormat, length: int, block: int) -> None:
+    """One :class:`PaddingWarning` per (format, axis length, block) in a process: a model's
+    GEMMs trace the same cases at every jit and every layer, and one line says it all."""
+    case = (fmt.name, int(length), int(block))
+    if case in _PADDING_SEEN:
+        return
+    _PADDING_SEEN.add(case)
+    padded = -(-length // block) * block
+    last = length - (padded - block)
+    unit = "packing group" if fmt.is_absmean else "block size"
+    warnings.warn(
+        f"{fmt.name} quantizes along an axis of length {length}, not a multiple of its {unit} "
+        f"{block}: the axis is zero-padded to {padded} (the last block holds {last} values and "
+        f"{block - last} zeros). Zeros never change a block's scale (nor a tensor scale), and "
+        f"the QArray keeps the axis length {length} (dequantize returns it), but codes and "
+        f"scales are stored for {padded} elements ({padded / length:.2f}x the bits along this "
+        f"axis). Said once per format, length and block (lowbit.core.plan.PaddingWarning).",
+        PaddingWarning,
+        stacklevel=_caller_stacklevel(),
+    )
+
+
+def check_block_shape(fmt: BlockFormat, block_shape) -> tuple[int, ...]:
+    """``block_shape`` as a tuple of ints (None: ``(fmt.block_size,)``), or a ValueError
+    naming what was given and what ``fmt`` accepts: one or two positive ints, the last a
+    multiple of the format's packing group (the codes of a block fill whole bytes).
+
+    Why other blocks than the specification's are allowed: the format's own block (32 for
+    MX, 16 for NVFP4 and INT4) is the one its specification defines and the default; any
+    other size, a power of two or not (``(24,)``, ``(48,)``), is a research option for block
+    size studies, computed with the same scale rule per block by the XLA emulation and the
+    compiled CPU kernel (tests pin non-power-of-two blocks there). Block-scaled hardware and
+    the Pallas kernels take powers of two of at least 16: other blocks run the emulation, with
+    a warning that says so.
+
+    >>> check_block_shape(_formats.get("mxfp4"), None), check_block_shape(
+    ...     _formats.get("nvfp4"), (16, 16))
+    ((32,), (16, 16))
+    """
+    if block_shape is None:
+        return (fmt.block_size,)
+    given = block_shape
+    if isinstance(block_shape, (int, np.integer)) and not isinstance(block_shape, bool):
+        block_shape = (block_shape,)
+    ok = isinstance(block_shape, (tuple, list)) and len(block_shape) in (1, 2) and all(
+        isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b >= 1
+        for b in block_shape)
+    if not ok:
+        raise ValueError(
+            f"block_shape must be None, (b,) or (b0, b1) with positive int entries, got {given!r}"
+        )
+    block_shape = tuple(int(b) for b in block_shape)
+    n_pack, _ = fmt.elem.pack_group
+    if block_shape[-1] % n_pack:
+        raise ValueError(
+            f"block_shape={block_shape}: the last block extent must be a multiple of {n_pack} "
+            f"to pack {fmt.name} codes into bytes ({n_pack} codes per packing group)"
+        )
+    return block_shape
 
 
 def _normalize_axes(axis, ndim: int, nblock: int) -> tuple[int, ...]:
@@ -286,32 +373,21 @@ def _check_tensor_amax(fmt: BlockFormat, tensor_amax) -> None:
 
 def make_plan(
     shape, fmt, axis, block_shape, scale_mode, rounding, key, tensor_amax,
-    prescale: float = 1.0, tensor_block: int | None = None,
+    prescale: float = 1.0, tensor_block: int | None = None, *, warn_padding: bool = True,
 ) -> Plan:
     """The checked :class:`Plan` for quantizing an array of ``shape`` to ``fmt`` along
     ``axis`` (a pair of axes for a 2-D ``block_shape``); the other arguments as in
     :func:`quantize` (``key`` and ``tensor_amax`` are checked, not kept), ``prescale`` and
-    ``tensor_block`` as in :class:`Plan`."""
+    ``tensor_block`` as in :class:`Plan`. A quantized axis whose length is not a multiple of
+    its block is zero-padded (:attr:`Plan.padded`): a :class:`PaddingWarning` says so once per
+    format, length and block (``warn_padding=False``: not here, e.g. for a plan rebuilt from a
+    QArray that was quantized already)."""
     fmt = _formats.get(fmt)
     ndim = len(shape)
-    if block_shape is None:
-        block_shape = (fmt.block_size,)
-    if isinstance(block_shape, (int, np.integer)):
-        block_shape = (int(block_shape),)
-    block_shape = tuple(int(b) for b in block_shape)
-    if len(block_shape) not in (1, 2) or any(b < 1 for b in block_shape):
-        raise ValueError(
-            f"block_shape must be None, (b,) or (b0, b1) with positive entries, got {block_shape}"
-        )
+    block_shape = check_block_shape(fmt, block_shape)
     if len(block_shape) > ndim:
         raise ValueError(
             f"block_shape={block_shape} is a {len(block_shape)}-D tile but x has rank {ndim}"
-        )
-    n_pack, _ = fmt.elem.pack_group
-    if block_shape[-1] % n_pack:
-        raise ValueError(
-            f"block_shape={block_shape}: the last block extent must be a multiple of {n_pack} "
-            f"to pack {fmt.name} codes into bytes ({n_pack} codes per packing group)"
         )
     axes = _normalize_axes(axis, ndim, len(block_shape))
     if rounding not in ROUNDINGS:
@@ -327,5 +403,9 @@ def make_plan(
         check_eden(fmt, scale_mode, tensor_block, tensor_amax, prescale)
     other = tuple(i for i in range(ndim) if i not in axes)
     padded = tuple(-(-shape[a] // b) * b for a, b in zip(axes, block_shape, strict=True))
+    if warn_padding:
+        for a, b, p in zip(axes, block_shape, padded, strict=True):
+            if p != shape[a]:
+                _warn_padding(fmt, shape[a], b)
     return Plan(fmt, tuple(shape), axes, block_shape, other + axes, padded, scale_mode,
                 stochastic, prescale, tensor_block, rounding == "eden")
