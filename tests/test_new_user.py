@@ -5,7 +5,6 @@ the package metadata installs without setuptools' deprecation."""
 from __future__ import annotations
 
 import io
-import re
 import subprocess
 import sys
 import tomllib
