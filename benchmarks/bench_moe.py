@@ -59,14 +59,29 @@ class Workload:
     batch: int
 
 
-def workload(quick: bool, experts: int) -> Workload:
+def workload(quick: bool, experts: int, seq_len: int = 128, batch: int = 16) -> Workload:
     if quick:
         cfg = GPTConfig(d_model=32, layers=1, heads=2, seq_len=32, mlp="moe", experts=experts,
                         top_k=2)
         return Workload(cfg, 2)
-    cfg = GPTConfig(d_model=128, layers=3, heads=4, seq_len=128, mlp="moe", experts=experts,
-                    top_k=2, capacity_factor=1.25)
-    return Workload(cfg, 16)
+    cfg = GPTConfig(d_model=128, layers=3, heads=4, seq_len=seq_len, mlp="moe",
+                    experts=experts, top_k=2, capacity_factor=1.25)
+    return Workload(cfg, batch)
+
+
+def memory_sweep(experts: int, recipes, tokens: int = 2048, seqs=(128, 256, 512, 1024, 2048)):
+    """The MoE layer's compiled peak memory, dropless over capacity, at a fixed number of
+    tokens per step and growing sequence length: the capacity path's [B, T, E, C] dispatch
+    and combine tensors grow with T * C ~ T^2 per sequence, the dropless rows with T."""
+    rows = []
+    for t in seqs:
+        w = workload(False, experts, seq_len=t, batch=max(1, tokens // t))
+        for r in recipes:
+            d, c = moe_layer_bytes(w, "dropless", r), moe_layer_bytes(w, "capacity", r)
+            rows.append({"seq_len": t, "batch": w.batch, "recipe": r,
+                         "dropless_MiB": d / 2**20, "capacity_MiB": c / 2**20,
+                         "ratio": d / c})
+    return rows
 
 
 def build(w: Workload, impl: str, recipe: str):
@@ -131,6 +146,8 @@ def parse_args(argv):
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--memory-sweep", action="store_true",
+                   help="only the MoE layer's memory at sequence 128..2048, 2048 tokens")
     p.add_argument("--out", default=str(common.RESULTS_DIR / "bench_moe.json"))
     return p.parse_args(argv)
 
@@ -140,6 +157,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     recipes = [r for r in args.recipes.split(",") if r]
     if "none" not in recipes:
         recipes.insert(0, "none")
+    if args.memory_sweep:
+        rows = memory_sweep(args.experts, recipes)
+        print(common.format_table(rows, [
+            ("seq_len", "T", "{:d}"), ("batch", "B", "{:d}"), ("recipe", "recipe"),
+            ("dropless_MiB", "dropless MiB"), ("capacity_MiB", "capacity MiB"),
+            ("ratio", "dropless / capacity", "{:.3f}")]))
+        payload = {"config": {"experts": args.experts, "memory_sweep": True},
+                   "environment": common.environment(), "rows": rows}
+        common.write_json(args.out.replace(".json", "_memory.json"), payload)
+        return payload
     w = workload(args.quick, args.experts)
     tokens = jax.random.randint(jax.random.key(1), (w.batch, w.cfg.seq_len + 1), 0, 256)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}

@@ -442,10 +442,10 @@ def _span(gc, st: _Shape):
     return lo, hi
 
 
-def _grouped_mm(a, b, groups_of_rows, st: _Shape, *, transpose_b: bool = False):
+def _grouped_mm(a, b, groups_of_rows, st: _Shape, *, transpose_b: bool = False, ok=True):
     """``a [R, K]`` (rows sorted by group, ``groups_of_rows [R]``) times ``b [G, K, N]``
     (each group's matrix, transposed with ``transpose_b``) -> ``[R, N]``; rows in no group
-    give zeros."""
+    give zeros; every row NaN where ``ok`` is False (applied per chunk, so no copy)."""
     rows, nout = a.shape[0], (b.shape[1] if transpose_b else b.shape[2])
     gcs, (acs,) = _chunks(groups_of_rows, st, a)
 
@@ -458,7 +458,8 @@ def _grouped_mm(a, b, groups_of_rows, st: _Shape, *, transpose_b: bool = False):
             y = _dot(ac, bg.T if transpose_b else bg)
             return jnp.where((gc == g)[:, None], y, acc)
 
-        return None, lax.fori_loop(lo, hi + 1, one, jnp.zeros((ac.shape[0], nout), jnp.float32))
+        y = lax.fori_loop(lo, hi + 1, one, jnp.zeros((ac.shape[0], nout), jnp.float32))
+        return None, _poison(y, ok)
 
     _, y = lax.scan(step, None, (gcs, acs))
     return y.reshape(-1, nout)[:rows]
@@ -522,8 +523,7 @@ def _rdot_fwd(lhs, rhs, sizes, key, st: _Shape):
     x = barrier(lhs.astype(jnp.float32))
     w = barrier(rhs.astype(jnp.float32))
     xq, wq, _, _, _ = _forward(x, w, gkeys, lay, st, masks=False)
-    y = _grouped_mm(xq, wq, lay.row_group, st)
-    y = _poison(y, _check_sizes(sizes, st.m))
+    y = _grouped_mm(xq, wq, lay.row_group, st, ok=_check_sizes(sizes, st.m))
     return y.astype(st.out_dtype), (lhs, rhs, sizes, key)
 
 
@@ -556,16 +556,18 @@ def _rdot_bwd(st: _Shape, res, dy):
     else:  # nothing to quantize or transform along the tokens: the caller's rows serve
         dw = _grouped_wgrad(x_src, g, lay.row_group, st)
     g_dl = _features(g, dl.lhs, dl, (_DLHS, 0), gkeys, s_dl, lay, st)
-    dx = _grouped_mm(g_dl, w_dl, lay.row_group, st, transpose_b=True)
+    ok = _check_sizes(sizes, st.m)
+    dx = _grouped_mm(g_dl, w_dl, lay.row_group, st, transpose_b=True,
+                     ok=ok if not r.through_forward else True)
     if r.through_forward:
         if mx is not None or rotated:
             dx = _per_row_masked(_through_fn(f, 0, rotated), dx, mx, fsigns, lay, st)
         if mw is not None or rotated:
             dw = jax.vmap(_through_fn(f, 0, rotated), in_axes=(0, _axes(mw), _axes(fsigns)))(
                 dw, mw, fsigns)
-    ok = _check_sizes(sizes, st.m)
-    dlhs = _poison(dx, ok).astype(st.lhs_dtype)
-    return dlhs, _poison(dw, ok).astype(st.rhs_dtype), None, None
+    if r.through_forward:
+        dx = _poison(dx, ok)
+    return dx.astype(st.lhs_dtype), _poison(dw, ok).astype(st.rhs_dtype), None, None
 
 
 def _per_row_masked(fn, dx, mask, signs, lay: _Layout, st: _Shape):
