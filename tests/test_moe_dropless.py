@@ -92,8 +92,10 @@ def test_rules_reach_the_expert_stacks_as_grouped_sites():
     lf, _ = nnx.jit(lambda m, t: m(t))(model, tokens)
     err = float(jnp.linalg.norm(lq - lf) / jnp.linalg.norm(lf))
     assert 0 < err < 0.2
-    with pytest.raises(ValueError, match="packing a grouped"):
-        lbf.quantize(model, rules, rngs=nnx.Rngs(quant=0), packed=True)
+    # a packed expert stack serves: the packed GPT computes the quantized GPT's logits
+    served = lbf.nnx.PackedModel(model, rules, rngs=nnx.Rngs(quant=0))
+    ls, _ = nnx.jit(lambda m, t: m(t))(served, tokens)
+    np.testing.assert_array_equal(ls, lq)
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +148,14 @@ def test_dropless_one_and_four_devices_give_the_same_losses(tmp_path, corpus):
     a = np.array([runs[1].losses[s] for s in range(1, 7)])
     b = np.array([runs[4].losses[s] for s in range(1, 7)])
     np.testing.assert_allclose(b, a, rtol=2e-4)
+
+
+def test_ptq_names_the_grouped_sites_it_does_not_calibrate():
+    import lowbit as lb
+
+    cfg = GPTConfig(**TINY, mlp="moe", experts=4, top_k=2, moe_impl="dropless")
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
+    with pytest.raises(ValueError, match=r"does not calibrate grouped \(ragged_dot\) sites yet: "
+                                         r"\['blocks/0/moe/down', 'blocks/0/moe/up'\]"):
+        lb.ptq.calibrate(model, [(r".*/router|head|embed", None), (".*", "nvfp4")], [tokens])

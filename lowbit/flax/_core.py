@@ -537,10 +537,20 @@ def dot_rhs_layout(dimension_numbers, rhs_ndim: int) -> Layout | None:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How a weight enters its GEMM: the axis its blocks run along (the contraction axis) and
-    the free axis a 2-D tile also spans."""
+    the free axis a 2-D tile also spans. ``stacked``: the leading axis stacks independent
+    weights (a grouped GEMM's experts, ``[G, K, N]``), each packed as its own tensor (its own
+    NVFP4 tensor scale): the packed QArray's leaves carry that leading axis, its metadata
+    describes one weight (:func:`is_stacked`)."""
 
     axis: int
     other_axis: int | None
+    stacked: bool = dataclasses.field(default=False, repr=False)
+
+
+def is_stacked(q) -> bool:
+    """Whether a QArray holds a stack of weights (packed with a ``stacked`` Layout): its codes
+    have one more axis than its metadata's shape."""
+    return q.codes.ndim == len(q.shape) + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -606,7 +616,11 @@ def serving_recipe(recipe: Recipe) -> Recipe:
 
 
 def pack_weight(w: jax.Array, spec: QuantSpec, layout: Layout) -> lb.QArray:
-    """Quantize a weight exactly as the forward GEMM does (bit for bit), packed."""
+    """Quantize a weight exactly as the forward GEMM does (bit for bit), packed; a stacked
+    layout packs each weight of the stack as its own tensor (as ``lb.ragged_dot`` does)."""
+    if layout.stacked:
+        other = None if layout.other_axis is None else layout.other_axis - 1
+        return jax.vmap(lambda wg: _pack_weight(wg, spec, layout.axis - 1, other))(w)
     return _pack_weight(w, spec, layout.axis, layout.other_axis)
 
 

@@ -332,9 +332,6 @@ class _Interceptor:
             r = self.recipe(path)
             if r is None:
                 return next_fun(*args, **kwargs)
-            if self.packed:
-                raise ValueError(f"module {path!r}: packing a grouped (ragged_dot) site is not "
-                                 "supported yet; leave it out of the rules")
             with _override(m, ragged_dot=RaggedDot(r, site=path,
                                                    implementation=self.implementation)):
                 return next_fun(*args, **kwargs)
@@ -531,9 +528,10 @@ def sites(
             _, path, dn, shape, dtype = entry
             layout = _core.dot_rhs_layout(dn, len(shape))
             kind, kernel = "dot_general", f"{path}/kernel" if path else "kernel"
-        elif entry[0] == "ragged_dot":  # not packed yet: no layout
+        elif entry[0] == "ragged_dot":  # [G, K, N]: each expert its own tensor
             _, path, shape, dtype = entry
-            kind, kernel, layout = "ragged_dot", f"{path}/kernel" if path else "kernel", None
+            kind, kernel = "ragged_dot", f"{path}/kernel" if path else "kernel"
+            layout = _core.Layout(1, 2, stacked=True)
         else:
             _, path, subscripts, lhs_ndim, shape, dtype = entry
             parts = path.split("/")

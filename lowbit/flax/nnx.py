@@ -410,8 +410,9 @@ def sites(
         kpath = (f"{p}/kernel" if p else "kernel") if kernel is not None else None
         shape = tuple(kernel.shape) if kernel is not None else None
         dtype = kernel.dtype if kernel is not None else None
-        if hasattr(m, "ragged_dot_op"):  # not packed yet: no layout
-            out.append(site(p, "ragged_dot", name, kpath, shape, dtype, None))
+        if hasattr(m, "ragged_dot_op"):  # [G, K, N]: each expert its own tensor
+            out.append(site(p, "ragged_dot", name, kpath, shape, dtype,
+                            _core.Layout(1, 2, stacked=True)))
         elif hasattr(m, "einsum_op"):
             layout = _layout(m, shape) if kernel is not None else None
             out.append(site(p, "einsum", name, kpath, shape, dtype, layout))
@@ -453,11 +454,11 @@ def quantize(
             r = rules.active(p)
             if r is None:
                 continue
-            if packed:
-                raise ValueError(
-                    f"{where}: packing a grouped (ragged_dot) site is not supported yet; "
-                    "leave it out of the rules or serve it from float weights")
-            r = _recipes.get("none") if observe else r
+            if observe:
+                r = _recipes.get("none")
+            elif packed:  # the experts enter pre-quantized (unpack of the packed stack)
+                _core.weight_spec(r, p)
+                r = _core.serving_recipe(r)
             plan.append((m, "ragged_dot_op", RaggedDot(r, rngs=_rngs_for(rngs, r, where),
                                                        implementation=impl, site=p)))
         elif hasattr(m, "einsum_op") or hasattr(m, "dot_general"):

@@ -40,6 +40,8 @@ def unpack(tree, dtype=None):
 
 @functools.partial(jax.jit, static_argnums=1)
 def _dequantize(q, dtype):
+    if _core.is_stacked(q):  # a grouped GEMM's expert stack: one tensor per expert
+        return jax.vmap(lambda qg: lb.dequantize(qg, dtype))(q)
     return lb.dequantize(q, dtype)
 
 
