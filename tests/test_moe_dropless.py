@@ -159,3 +159,27 @@ def test_ptq_names_the_grouped_sites_it_does_not_calibrate():
     with pytest.raises(ValueError, match=r"does not calibrate grouped \(ragged_dot\) sites yet: "
                                          r"\['blocks/0/moe/down', 'blocks/0/moe/up'\]"):
         lb.ptq.calibrate(model, [(r".*/router|head|embed", None), (".*", "nvfp4")], [tokens])
+
+
+def test_autoquant_scores_the_grouped_sites():
+    """The grouped sites reach autoquant's hooks (lowbit.flax.substituting): an isolated score
+    is the loss change of quantizing that site alone."""
+    import lowbit as lb
+    from experiments.model import loss_fn
+
+    cfg = GPTConfig(**TINY, mlp="moe", experts=4, top_k=2, moe_impl="dropless")
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, 256)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+    def loss(m, b):
+        return loss_fn(m, b)[0]
+
+    s = lb.autoquant.score(model, loss, [batch], ["mxfp8"], method="isolated")
+    assert "blocks/0/moe/up" in s.sites and "blocks/0/moe/down" in s.sites
+    i = s.sites.index("blocks/0/moe/down")
+    assert s.params["blocks/0/moe/down"] == 4 * 256 * 64
+    direct = float(loss(lbf.quantize(model, [("blocks/0/moe/down", "mxfp8")]), batch)
+                   - loss(model, batch))
+    assert direct != 0
+    assert s.damage[i, s.candidates.index("mxfp8")] == pytest.approx(direct, rel=1e-3, abs=1e-6)

@@ -27,6 +27,7 @@ from lowbit.core import hadamard as _hadamard
 from lowbit.gemm import recipes as _recipes
 from lowbit.gemm.dot_general import einsum_operands, forward_operands
 from lowbit.gemm.implementation import Implementation
+from lowbit.gemm.ragged import ragged_dot, ragged_operands
 from lowbit.gemm.recipes import GemmSpec, QuantSpec, Recipe
 
 ATTN_SCORES = "attn_scores"
@@ -397,6 +398,25 @@ def qdot_general(
     if out_sharding is not None:
         y = jax.lax.with_sharding_constraint(y, out_sharding)
     return y
+
+
+def qragged_dot(lhs, rhs, group_sizes, recipe, key, implementation=None, *,
+                site: str | None = None, packed: bool = False):
+    """:func:`lowbit.ragged_dot` as a site op: under :func:`substituting` the hook gets a
+    :class:`SiteGemm` that runs the grouped GEMM on these ``group_sizes`` under any recipe
+    (its ``operands``: :func:`lowbit.gemm.ragged.ragged_operands`). ``packed``: the experts
+    enter pre-quantized and ``recipe`` is the serving form."""
+    del packed  # the serving recipe leaves the weight as it is
+
+    def run(lhs, rhs, recipe, key=None):
+        return ragged_dot(lhs, rhs, group_sizes, recipe=recipe, key=key,
+                          implementation=implementation)
+
+    def operands(lhs, rhs, recipe, key=None):
+        return ragged_operands(lhs, rhs, group_sizes, recipe=recipe, key=key,
+                               implementation=implementation)
+
+    return _substitute(site, SiteGemm(run, operands), lhs, rhs, recipe, key)
 
 
 def _qdot_general(

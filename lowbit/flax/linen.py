@@ -187,8 +187,8 @@ class RaggedDot:
         rec = _RECORDER.get()
         if rec is not None and self.site is not None:
             rec.append(("ragged_dot", self.site, rhs.shape, rhs.dtype))
-        return ragged_dot(lhs, rhs, group_sizes, recipe=self.recipe, key=_key(self.recipe),
-                          implementation=self.implementation)
+        return _core.qragged_dot(lhs, rhs, group_sizes, self.recipe, _key(self.recipe),
+                                 self.implementation, site=self.site)
 
 
 class GroupedDense(nn.Module):

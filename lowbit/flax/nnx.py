@@ -317,11 +317,10 @@ class RaggedDot(nnx.Module):
         self.site = site
         self.stream = nnx.data(_stream(rngs, (self.recipe,), f"RaggedDot({self.recipe.name!r})"))
 
-    def __call__(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None):
-        return ragged_dot(lhs, rhs, group_sizes, recipe=self.recipe,
-                          key=_draw(self.stream, self.recipe),
-                          implementation=self.implementation,
-                          preferred_element_type=preferred_element_type)
+    def __call__(self, lhs, rhs, group_sizes):
+        return _core.qragged_dot(lhs, rhs, group_sizes, self.recipe,
+                                 _draw(self.stream, self.recipe), self.implementation,
+                                 site=self.site)
 
 
 class GroupedLinear(nnx.Module):

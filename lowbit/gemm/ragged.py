@@ -63,7 +63,7 @@ from lowbit.gemm.operand import (
 )
 from lowbit.gemm.recipes import GemmSpec, QuantSpec, Recipe
 
-__all__ = ["ragged_dot", "row_multiple", "ungroupable", "CHUNK_ROWS"]
+__all__ = ["ragged_dot", "ragged_operands", "row_multiple", "ungroupable", "CHUNK_ROWS"]
 
 # fold_in tags, as lowbit.dot_general uses them: one stream per (GEMM, operand).
 _FWD, _DLHS, _DRHS = 0, 1, 2
@@ -599,6 +599,44 @@ def _key_data(key, r: Recipe):
     return key
 
 
+def _setup(lhs, rhs, group_sizes, recipe, key, implementation, preferred_element_type=None):
+    r = _recipes.get(recipe)
+    impl = resolve(implementation)
+    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+    _check(lhs, rhs, group_sizes)
+    if (why := ungroupable(r)) is not None:
+        raise ValueError(f"ragged_dot: {why}")
+    out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None
+                          else jnp.result_type(lhs.dtype, rhs.dtype))
+    key = _key_data(key, r)
+    st = _Shape(lhs.shape[0], lhs.shape[1], rhs.shape[2], rhs.shape[0], row_multiple(r), r,
+                out_dtype, lhs.dtype, rhs.dtype, impl)
+    return lhs, rhs, group_sizes.astype(jnp.int32), key, st
+
+
+def ragged_operands(lhs, rhs, group_sizes, *, recipe="none", key=None, implementation=None):
+    """The two operands as :func:`ragged_dot`'s forward multiplies them, in the original basis
+    (a forward Hadamard undone): ``(xq [M, K], wq [G, K, N])``, float32, so that
+    ``ragged_dot(xq, wq, group_sizes)`` equals the quantized forward up to float32 summation
+    order. Values only (no gradient rule): what sensitivity analysis (:mod:`lowbit.autoquant`)
+    needs of a grouped site, as :func:`lowbit.gemm.dot_general.forward_operands` of a dense
+    one.
+
+    >>> import jax.numpy as jnp
+    >>> xq, wq = ragged_operands(jnp.full((3, 32), 0.3), jnp.ones((2, 32, 4)),
+    ...                          jnp.array([1, 2]), recipe="mxfp4")
+    >>> float(xq[0, 0]), wq.shape
+    (0.25, (2, 32, 4))
+    """
+    lhs, rhs, sizes, key, st = _setup(lhs, rhs, group_sizes, recipe, key, implementation)
+    lay = _Layout(sizes, st)
+    gkeys = _group_keys(key, st.groups)
+    f = st.recipe.fwd
+    xq, wq, signs, _, _ = _forward(lhs.astype(jnp.float32), rhs.astype(jnp.float32), gkeys,
+                                   lay, st, masks=False)
+    return _unrotate_rows(xq, f, signs, lay, st), _unrotate_weights(wq, f, signs, 0)
+
+
 def _check(lhs, rhs, group_sizes):
     for name, a in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
@@ -667,18 +705,9 @@ def ragged_dot(
     [[16.0, 16.0], [16.0, 16.0], [16.0, 16.0], [16.0, 16.0]]
     """
     del precision
-    r = _recipes.get(recipe)
-    impl = resolve(implementation)
-    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
-    _check(lhs, rhs, group_sizes)
-    if (why := ungroupable(r)) is not None:
-        raise ValueError(f"ragged_dot: {why}")
-    if impl.gemm == "pallas" and impl.warns:
+    lhs, rhs, sizes, key, st = _setup(lhs, rhs, group_sizes, recipe, key, implementation,
+                                      preferred_element_type)
+    if st.impl.gemm == "pallas" and st.impl.warns:
         warnings.warn("lowbit.ragged_dot: the grouped Pallas kernel is not built yet; the XLA "
                       "emulation runs instead", stacklevel=2)
-    out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None
-                          else jnp.result_type(lhs.dtype, rhs.dtype))
-    key = _key_data(key, r)
-    st = _Shape(lhs.shape[0], lhs.shape[1], rhs.shape[2], rhs.shape[0], row_multiple(r), r,
-                out_dtype, lhs.dtype, rhs.dtype, impl)
-    return _rdot(lhs, rhs, group_sizes.astype(jnp.int32), key, st)
+    return _rdot(lhs, rhs, sizes, key, st)
