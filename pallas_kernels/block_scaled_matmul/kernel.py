@@ -44,7 +44,7 @@ from lowbit.core.qarray import E8M0_NAN, QArray, decode_elements
 from pallas_kernels._common import round_up
 from pallas_kernels.block_scaled_matmul.config import Config
 
-__all__ = ["Operand", "matmul_pallas"]
+__all__ = ["Operand", "load_quantized", "matmul_pallas"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,22 +65,26 @@ class Operand:
         return _formats.get(self.fmt)
 
 
-def _load_quantized(codes_ref, scales_ref, k, bk: int, op: Operand, cdt):
-    """Dequantized ``[rows, bk]`` tile (``cdt``) of K-step ``k``: decode, then scale."""
+def load_quantized(codes_ref, scales_ref, k, bk: int, op: Operand, cdt, lead: tuple = ()):
+    """Dequantized ``[rows, bk]`` tile (``cdt``) of K-step ``k``: decode, then scale.
+    ``lead``: indices of leading axes taken first, in the same indexer (``(g,)``: the grouped
+    kernel's group; Triton lowers one indexer per load)."""
     fmt = op.format
     elem, bs = fmt.elem, op.block
-    rows = codes_ref.shape[0]
+    rows = codes_ref.shape[len(lead)]
+    at = lambda d: (*lead, slice(None), d)  # noqa: E731
     if elem.bits == 8:
-        c = codes_ref[:, pl.ds(pl.multiple_of(k * bk, bk), bk)].astype(jnp.int32)
+        c = codes_ref[at(pl.ds(pl.multiple_of(k * bk, bk), bk))].astype(jnp.int32)
     elif elem.bits == 4:
         half = bk // 2
-        p = codes_ref[:, pl.ds(pl.multiple_of(k * half, half), half)].astype(jnp.int32)
+        p = codes_ref[at(pl.ds(pl.multiple_of(k * half, half), half))].astype(jnp.int32)
         c = jnp.stack([p & 0xF, p >> 4], axis=-1).reshape(rows, bk)  # low nibble first
     else:  # 6 bits: bytes (b0, b1, b2) hold c0 | c1 << 6 | c2 << 12 | c3 << 18
         quarter = bk // 4
         start = k * (3 * quarter)
         b0, b1, b2 = (
-            codes_ref[:, pl.ds(start + t, quarter, stride=3)].astype(jnp.int32) for t in range(3)
+            codes_ref[at(pl.ds(start + t, quarter, stride=3))].astype(jnp.int32)
+            for t in range(3)
         )
         w = b0 | (b1 << 8) | (b2 << 16)
         c0, c1, c2, c3 = ((w >> (6 * t)) & 0x3F for t in range(4))
@@ -90,7 +94,7 @@ def _load_quantized(codes_ref, scales_ref, k, bk: int, op: Operand, cdt):
     # lowbit's code tables and scale decoding (lowbit.core.qarray.dequantize), in integer ops
     vals = decode_elements(c, elem).reshape(rows, bk // bs, bs)
     nbk = bk // bs
-    s = scales_ref[:, pl.ds(pl.multiple_of(k * nbk, nbk), nbk)].astype(jnp.int32)
+    s = scales_ref[at(pl.ds(pl.multiple_of(k * nbk, nbk), nbk))].astype(jnp.int32)
     if fmt.is_mx:
         e = s - 127
         s_hi = jnp.clip(e, -126, 127)
@@ -113,12 +117,12 @@ def _kernel(
 
     def body(k, acc):
         if a_op.quantized:
-            a = _load_quantized(*a_refs, k, block_k, a_op, cdt)  # [bm, bk]
+            a = load_quantized(*a_refs, k, block_k, a_op, cdt)  # [bm, bk]
         else:
             a = a_refs[0][:, pl.ds(pl.multiple_of(k * block_k, block_k), block_k)]
             a = a.astype(cdt)
         if b_op.quantized:
-            b = _load_quantized(*b_refs, k, block_k, b_op, cdt)  # [bn, bk]
+            b = load_quantized(*b_refs, k, block_k, b_op, cdt)  # [bn, bk]
             dims = (((1,), (1,)), ((), ()))
         else:
             b = b_refs[0][pl.ds(pl.multiple_of(k * block_k, block_k), block_k), :]
