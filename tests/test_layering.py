@@ -33,6 +33,7 @@ LAYERS = [
     ("lowbit.gemm.recipes",),
     ("lowbit.bits",),
     ("lowbit.gemm.operand", "lowbit.calibrate", "lowbit.gptq"),
+    ("lowbit.gemm.grouped",),
     ("pallas_kernels",),
     ("lowbit.gemm.dot_general", "lowbit.gemm.ragged"),
     ("lowbit.flax",),
