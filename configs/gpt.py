@@ -8,7 +8,9 @@
 
 Arguments (after the colon, comma-separated): ``size`` (nano | tiny | xs | s | m | l, about
 0.04M / 0.1M / 0.6M / 3.2M / 11M / 19M parameters), ``recipe`` (any
-``lowbit.gemm.recipes.names()``), ``mlp`` (dense | moe), ``seed``. Every other field is a flag
+``lowbit.gemm.recipes.names()``), ``mlp`` (dense | moe), ``moe`` (capacity | dropless: the
+MoE's ``model.moe_impl``; dropless runs are named ``gpt-<size>-moe-dropless``), ``seed``.
+Every other field is a flag
 override, e.g. ``--config.model.positions=learned``, ``--config.data.path=my_corpus/``,
 ``--config.mesh.fsdp=4``, ``--config.quant.high_precision='embed|head'``.
 
@@ -57,13 +59,16 @@ SIZES = {
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    a = parse_arg(arg, size="tiny", recipe="none", mlp="dense", seed=0)
+    a = parse_arg(arg, size="tiny", recipe="none", mlp="dense", moe="capacity", seed=0)
     if a.size not in SIZES:
         raise ValueError(f"config argument size={a.size!r}: expected one of {sorted(SIZES)}")
+    if a.moe not in ("capacity", "dropless"):
+        raise ValueError(f"config argument moe={a.moe!r}: expected capacity or dropless")
     d_model, layers, heads, seq_len, batch, steps, lr = SIZES[a.size]
 
     c = ml_collections.ConfigDict()
-    c.name = f"gpt-{a.size}{'-moe' if a.mlp == 'moe' else ''}/{a.recipe}-s{a.seed}"
+    moe = ("-moe" + ("-dropless" if a.moe == "dropless" else "")) if a.mlp == "moe" else ""
+    c.name = f"gpt-{a.size}{moe}/{a.recipe}-s{a.seed}"
     c.workdir = "runs"
     c.seed = a.seed
     # "" = the random init; or a run directory (runs/<name>/) whose latest checkpoint's
@@ -86,7 +91,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.moe_aux_weight = 0.01
     # "capacity" (expert buffers, drops past the capacity) | "dropless" (lb.ragged_dot over the
     # assignments sorted by expert: no capacity, no drops)
-    c.model.moe_impl = "capacity"
+    c.model.moe_impl = a.moe
     c.model.dtype = "auto"
 
     c.quant = ml_collections.ConfigDict()

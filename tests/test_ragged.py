@@ -258,3 +258,43 @@ def test_bad_operands_and_ungroupable_recipes_are_named():
     with pytest.raises(ValueError, match="pass key="):
         lb.ragged_dot(x, w, sizes, recipe=R.Recipe(
             "sr_fwd", fwd=R.GemmSpec(R.QuantSpec("mxfp4", rounding="stochastic"), None)))
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "w4a16_mxfp4", "qat_nvfp4"])
+def test_the_grouped_kernel_in_interpret_mode_equals_the_emulation(recipe):
+    """implementation="pallas" (interpret mode): the forward and input-gradient GEMMs through
+    pallas_kernels.grouped_matmul, the weight gradient emulated; the same numbers up to
+    float32 summation order (every GEMM's relative error under 1e-5)."""
+    from lowbit.gemm.implementation import resolve
+
+    x, w, sizes = _data((20, 0, 1, 60), k=128, n=64, seed=15)
+    dy = jax.random.normal(jax.random.key(16), (x.shape[0], 64))
+
+    def run(impl):
+        y, vjp = jax.vjp(lambda a, b: lb.ragged_dot(a, b, sizes, recipe=recipe,
+                                                    implementation=impl), x, w)
+        return (y, *vjp(dy))
+
+    got = run(resolve("pallas", interpret=True))
+    want = run("xla")
+    for a, b in zip(got, want, strict=True):
+        assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * float(jnp.max(jnp.abs(b)))
+
+
+def test_the_grouped_kernel_lowers_for_cuda_and_names_what_it_cannot_take():
+    from pallas_kernels._common import export_for_cuda
+
+    x, w, sizes = _data((20, 0, 1, 60), k=128, n=64, seed=17)
+
+    def step(x, w, s):
+        return jax.value_and_grad(
+            lambda a, b: jnp.sum(lb.ragged_dot(a, b, s, recipe="mxfp8",
+                                               implementation="pallas") ** 2),
+            argnums=(0, 1))(x, w)
+
+    spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    text = export_for_cuda(step, spec(x), spec(w), spec(sizes)).mlir_module()
+    assert text.count("grouped_matmul_mxfp8_e4m3_mxfp8_e4m3") >= 2  # forward and dx
+    with pytest.warns(UserWarning, match="instead of the grouped kernel: nvfp4 with "
+                                         r"block_shape \(16, 16\)"):
+        lb.ragged_dot(x, w, sizes, recipe="nvfp4", implementation="pallas")

@@ -239,9 +239,10 @@ def _group_amax(xs, axes, group, groups: int):
 
 
 def _quantize_units(xu, spec, gemm: GemmSpec, axis, other, keys, signs, group, st, with_mask,
-                    *, along_rows: bool):
+                    *, along_rows: bool, packed: bool = False):
     """Quantize units ``xu [U, ...]`` (rows or tiles) of one group each, vmapped: the group's
-    Hadamard signs ``signs [U, h]``, keys ``[U, 2]``, and its amax where the spec has one."""
+    Hadamard signs ``signs [U, h]``, keys ``[U, 2]``, and its amax where the spec has one;
+    ``packed``: a QArray stacked per unit (one tensor each)."""
     native = st.impl.cpu_kernel
     h = gemm.hadamard
     amax = None
@@ -255,7 +256,8 @@ def _quantize_units(xu, spec, gemm: GemmSpec, axis, other, keys, signs, group, s
 
     def one(xt, k, s, a):
         return prepare_operand(xt, spec, gemm, axis, other, k, s, use_barrier=False,
-                               native=native, with_mask=with_mask, tensor_amax=a)
+                               native=native, with_mask=with_mask, tensor_amax=a,
+                               packed=packed)
 
     s = signs if h else None
     axes = (0, vmap_axis(keys), vmap_axis(s), vmap_axis(amax))
@@ -288,10 +290,12 @@ def _quantize_masked(x, spec, gemm, axis, other, tags, gkeys, signs, groups_of_r
 
 
 def tokens(xp, spec, gemm: GemmSpec, axis, tags, gkeys, signs, lay: Layout, st: Shape,
-            *, with_mask=False):
+           *, with_mask=False, packed=False):
     """An operand in the token layout ``[Mp, D]`` quantized ``q`` rows at a time: along the
-    tokens (``axis`` 0, a weight-gradient operand) or along its features with a 2-D tile
-    spanning the tokens (``axis`` 1)."""
+    tokens (``axis`` 0, a weight-gradient operand) or along its features (``axis`` 1: a 2-D
+    tile spanning the tokens, or the grouped kernel's row tiles). ``packed``: the tiles as a
+    QArray stacked per tile (``[Mp/q]`` tensors of ``[q, D]``; a spec without a tensor-wide
+    rule other than the amax)."""
     other = 1 - axis
     if group_stat(spec, axis == 0) == "masked":
         return _quantize_masked(xp, spec, gemm, axis, other, tags, gkeys, signs,
@@ -301,7 +305,9 @@ def tokens(xp, spec, gemm: GemmSpec, axis, tags, gkeys, signs, lay: Layout, st: 
     keys = _unit_keys(gkeys, tags, lay.tile_group, lay.tile_index, st.groups, spec)
     out = _quantize_units(xt, spec, gemm, axis, other, keys,
                           None if signs is None else signs[tg], lay.tile_group, st, with_mask,
-                          along_rows=axis == 0)
+                          along_rows=axis == 0, packed=packed)
+    if packed:
+        return out
     if with_mask:
         v, m = out
         return v.reshape(xp.shape), (None if m is None else m.reshape(xp.shape))
@@ -331,15 +337,15 @@ def features(x, spec, gemm: GemmSpec, tags, gkeys, signs, lay: Layout, st: Shape
 
 
 def quantize_weights(w, spec, gemm: GemmSpec, axis, other, tags, gkeys, signs, st,
-                      *, with_mask=False):
+                     *, with_mask=False, packed=False):
     """The weight stack ``[G, K, N]``, each group's weight as :func:`lowbit.dot_general`
-    quantizes a weight (vmapped over groups)."""
+    quantizes a weight (vmapped over groups); ``packed``: a QArray stacked per group."""
     native = st.impl.cpu_kernel
 
     def one(wg, k, s):
         kk = None if k is None else fold_key(k, *tags)
         return prepare_operand(wg, spec, gemm, axis, other, kk, s, use_barrier=False,
-                               native=native, with_mask=with_mask)
+                               native=native, with_mask=with_mask, packed=packed)
 
     return jax.vmap(one, in_axes=(0, vmap_axis(gkeys), vmap_axis(signs)))(w, gkeys, signs)
 

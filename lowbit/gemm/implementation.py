@@ -50,7 +50,11 @@ __all__ = ["IMPLEMENTATIONS", "KERNELS", "Implementation", "resolve", "validate"
 IMPLEMENTATIONS = (None, "xla", "pallas")
 """The values of every ``implementation=`` argument, from the GEMM up to the experiment configs."""
 
-KERNELS = {"pallas": ("pallas_kernels.quantized_gemm", "quantized_gemm")}
+KERNELS = {
+    "pallas": ("pallas_kernels.quantized_gemm", "quantized_gemm"),
+    # the grouped GEMM's kernel (lowbit.ragged_dot's forward and input-gradient GEMMs)
+    "pallas_grouped": ("pallas_kernels.grouped_matmul.api", "run_kernel"),
+}
 """The GEMM implementations outside lowbit, imported on first use: lowbit reaches
 ``pallas_kernels`` only through this table (``pallas_kernels`` imports lowbit's lower
 layers, never the layer that dispatches to it)."""

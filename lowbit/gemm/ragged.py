@@ -39,6 +39,7 @@ of a group (a mean over a group's rows is not a maximum: tiles cannot give it), 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -46,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowbit.core import formats as _formats
 from lowbit.gemm import recipes as _recipes
 from lowbit.gemm.grouped import (
     CHUNK_ROWS,
@@ -70,9 +72,9 @@ from lowbit.gemm.grouped import (
     unrotate_weights,
     vmap_axis,
 )
-from lowbit.gemm.implementation import resolve
+from lowbit.gemm.implementation import kernel, resolve
 from lowbit.gemm.operand import barrier
-from lowbit.gemm.recipes import Recipe
+from lowbit.gemm.recipes import GemmSpec, Recipe
 
 __all__ = ["ragged_dot", "ragged_operands", "row_multiple", "ungroupable", "CHUNK_ROWS"]
 
@@ -93,6 +95,73 @@ def _forward(x, w, gkeys, lay, st: Shape, masks: bool):
     return xq, wq, signs, None, None
 
 
+# --------------------------------------------------------------------------------------------
+# The grouped kernel (implementation="pallas")
+
+KERNEL_ROWS = 64
+"""Rows per tile of the grouped kernel's token layout (at least; the recipe's ``q`` if larger):
+each tile is one kernel program's row block, all of one group."""
+
+
+def _kernel_reason(gemm: GemmSpec, st: Shape) -> str | None:
+    """Why the grouped kernel cannot run this GEMM (None: it can)."""
+    if st.recipe.through_forward:
+        return (f"recipe {st.recipe.name!r} carries gradients back through the forward's "
+                "quantizers (trust masks, backward_operands='forward')")
+    if gemm.lhs is None and gemm.rhs is None:
+        return "neither operand is quantized"
+    for spec in (gemm.lhs, gemm.rhs):
+        if spec is None:
+            continue
+        fmt = _formats.get(spec.format) if spec.granularity == "block" else None
+        if fmt is None or not (fmt.is_mx or fmt.is_nvfp4):
+            return f"{spec.format} ({spec.granularity}): the kernel decodes MX and NVFP4 blocks"
+        b = spec.block_shape or (fmt.block_size,)
+        if len(b) != 1 or b[0] < 16 or b[0] & (b[0] - 1):
+            return (f"{spec.format} with block_shape {spec.block_shape}: the kernel takes 1-D "
+                    "blocks of a power of two >= 16 along K")
+        if spec.tensor_block or spec.rounding == "eden" or spec.scale_std is not None:
+            return f"{spec.format}: outer block scales, MS-EDEN or a QuEST scale"
+    return None
+
+
+def _kernel_gemm(a_rows, b_stack, gemm: GemmSpec, tag: int, gkeys, signs, sizes, st: Shape):
+    """``a_rows [M, K] . b_stack[g] [K, N]`` per group through the grouped kernel: the rows
+    spread into the kernel's tile layout and quantized a tile at a time (each tile one tensor
+    with its group's amax, signs and a rounding stream per tile), each weight quantized along
+    K as its own tensor, both packed."""
+    stk = dataclasses.replace(st, q=max(st.q, KERNEL_ROWS))
+    lay = Layout(sizes, stk)
+    a = tokens(lay.spread(a_rows), gemm.lhs, gemm, 1, (tag, 0), gkeys, signs, lay, stk,
+               packed=True)
+    b = quantize_weights(b_stack, gemm.rhs, gemm, 0, 1, (tag, 1), gkeys, signs, stk,
+                         packed=True)
+    y = kernel("pallas_grouped")(a, b, lay.tile_group, interpret=st.impl.interpret)
+    return lay.gather(y.reshape(stk.padded, -1))
+
+
+def _gemm(a_rows, b_stack, gemm: GemmSpec, tag: int, gkeys, signs, sizes, st: Shape,
+          emulated):
+    """One of the forward / input-gradient GEMMs: ``emulated(a_rows, b_stack)``, or with
+    ``implementation="pallas"`` the grouped kernel where it can take the GEMM (lowered for
+    CUDA; the emulation on other platforms, or everywhere in interpret mode the kernel)."""
+    if st.impl.gemm != "pallas":
+        return emulated(a_rows, b_stack)
+    why = _kernel_reason(gemm, st)
+    if why is not None:
+        if st.impl.warns and gemm.active:
+            warnings.warn(f"lowbit.ragged_dot: the XLA emulation instead of the grouped "
+                          f"kernel: {why}", stacklevel=4)
+        return emulated(a_rows, b_stack)
+
+    def pallas(a, b):
+        return _kernel_gemm(a, b, gemm, tag, gkeys, signs, sizes, st)
+
+    if st.impl.interpret:
+        return pallas(a_rows, b_stack)
+    return jax.lax.platform_dependent(a_rows, b_stack, cuda=pallas, default=emulated)
+
+
 def _check_sizes(sizes, m):
     """True where the sizes are valid (a traced check: invalid sizes poison the result)."""
     return jnp.all(sizes >= 0) & (jnp.sum(sizes) <= m)
@@ -110,8 +179,15 @@ def _rdot_fwd(lhs, rhs, sizes, key, st: Shape):
     gkeys = group_keys(key, st.groups)
     x = barrier(lhs.astype(jnp.float32))
     w = barrier(rhs.astype(jnp.float32))
-    xq, wq, _, _, _ = _forward(x, w, gkeys, lay, st, masks=False)
-    y = grouped_mm(xq, wq, lay.row_group, st, ok=_check_sizes(sizes, st.m))
+    ok = _check_sizes(sizes, st.m)
+
+    def emulated(x, w):
+        xq, wq, _, _, _ = _forward(x, w, gkeys, lay, st, masks=False)
+        return grouped_mm(xq, wq, lay.row_group, st, ok=ok)
+
+    f = st.recipe.fwd
+    signs = group_signs(f, gkeys, FWD, st.groups)
+    y = poison(_gemm(x, w, f, FWD, gkeys, signs, sizes, st, emulated), ok)
     return y.astype(st.out_dtype), (lhs, rhs, sizes, key)
 
 
@@ -130,12 +206,10 @@ def _rdot_bwd(st: Shape, res, dy):
     s_dr = group_signs(dr, gkeys, DRHS, st.groups)
     # dlhs = dy . w^T per group: dy along N, the weight along N (axis 1 of its [K, N]);
     # drhs = x^T . dy per group: both along the group's tokens, in the token layout.
-    if rotated:
-        w_dl = quantize_weights(wq, dl.rhs, dl, 1, 0, (DLHS, 1), gkeys, s_dl, st)
-        x_src = xq
+    if rotated:  # the forward's quantized operands, in its basis, quantized again
+        w_src, x_src = wq, xq
     else:
         w_src = w if dl.rhs is not None else unrotate_weights(wq, f, fsigns, 0)
-        w_dl = quantize_weights(w_src, dl.rhs, dl, 1, 0, (DLHS, 1), gkeys, s_dl, st)
         x_src = x if dr.lhs is not None else unrotate_rows(xq, f, fsigns, lay, st)
     if dr.active:
         x_dr = tokens(lay.spread(x_src), dr.lhs, dr, 0, (DRHS, 0), gkeys, s_dr, lay, st)
@@ -143,16 +217,22 @@ def _rdot_bwd(st: Shape, res, dy):
         dw = grouped_wgrad(x_dr, g_dr, lay.pad_group, st)
     else:  # nothing to quantize or transform along the tokens: the caller's rows serve
         dw = grouped_wgrad(x_src, g, lay.row_group, st)
-    g_dl = features(g, dl.lhs, dl, (DLHS, 0), gkeys, s_dl, lay, st)
     ok = _check_sizes(sizes, st.m)
-    dx = grouped_mm(g_dl, w_dl, lay.row_group, st, transpose_b=True,
-                     ok=ok if not r.through_forward else True)
+
+    def emulated(g, w_nk):
+        g_dl = features(g, dl.lhs, dl, (DLHS, 0), gkeys, s_dl, lay, st)
+        w_dl = quantize_weights(w_nk, dl.rhs, dl, 0, 1, (DLHS, 1), gkeys, s_dl, st)
+        return grouped_mm(g_dl, w_dl, lay.row_group, st,
+                          ok=ok if not r.through_forward else True)
+
+    # the weight as [G, N, K] quantized along N (its contraction), 2-D tiles spanning N x K
+    dx = _gemm(g, jnp.swapaxes(w_src, 1, 2), dl, DLHS, gkeys, s_dl, sizes, st, emulated)
     if r.through_forward:
         if mx is not None or rotated:
             dx = per_row_masked(through_fn(f, 0, rotated), dx, mx, fsigns, lay, st)
         if mw is not None or rotated:
-            dw = jax.vmap(through_fn(f, 0, rotated), in_axes=(0, vmap_axis(mw), vmap_axis(fsigns)))(
-                dw, mw, fsigns)
+            axes = (0, vmap_axis(mw), vmap_axis(fsigns))
+            dw = jax.vmap(through_fn(f, 0, rotated), in_axes=axes)(dw, mw, fsigns)
     if r.through_forward:
         dx = poison(dx, ok)
     return dx.astype(st.lhs_dtype), poison(dw, ok).astype(st.rhs_dtype), None, None
@@ -275,8 +355,13 @@ def ragged_dot(
         rounding draws other, identically distributed, bits).
       key: PRNG key (stochastic rounding, random Hadamard signs); a new one per step.
       implementation: ``None``, ``"xla"`` or ``"pallas"`` (:mod:`lowbit.gemm.implementation`).
-        The grouped Pallas kernel is not built yet: ``"pallas"`` runs the emulation, with a
-        warning when asked for by name.
+        ``"pallas"``: the forward and input-gradient GEMMs go through the grouped Pallas kernel
+        (``pallas_kernels.grouped_matmul``; lowered for CUDA, the emulation elsewhere) where it
+        takes them: MX / NVFP4 operands with 1-D blocks, recipes that do not carry gradients
+        back through the forward's quantizers; elsewhere the emulation, with a warning when
+        asked for by name. The weight gradient (a contraction over each group's rows) runs the
+        emulation. Stochastic rounding draws its bits per kernel tile (identically
+        distributed).
       preferred_element_type: output dtype (default: the operands' result type).
       precision: accepted for compatibility with ``jax.lax.ragged_dot``; the GEMMs
         accumulate in float32.
@@ -290,7 +375,4 @@ def ragged_dot(
     del precision
     lhs, rhs, sizes, key, st = _setup(lhs, rhs, group_sizes, recipe, key, implementation,
                                       preferred_element_type)
-    if st.impl.gemm == "pallas" and st.impl.warns:
-        warnings.warn("lowbit.ragged_dot: the grouped Pallas kernel is not built yet; the XLA "
-                      "emulation runs instead", stacklevel=2)
     return _rdot(lhs, rhs, sizes, key, st)
