@@ -183,3 +183,33 @@ def test_autoquant_scores_the_grouped_sites():
                    - loss(model, batch))
     assert direct != 0
     assert s.damage[i, s.candidates.index("mxfp8")] == pytest.approx(direct, rel=1e-3, abs=1e-6)
+
+
+def test_moe_study_page_reads_both_paths_gaps_and_drops(tmp_path):
+    import json
+
+    from experiments import moe_study
+
+    def run(group, recipe, loss, step_s, drops):
+        d = tmp_path / group / f"{recipe}-s0"
+        d.mkdir(parents=True)
+        lines = [json.dumps({"kind": "train", "step": i, "moe_dropped": x})
+                 for i, x in enumerate(drops)]
+        (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        return {"recipe": recipe, "seeds": 1, "val_loss": loss, "step_s": step_s,
+                "noise_pct": 1.0}
+
+    for group, rows in (("gpt-xs-moe", [run("gpt-xs-moe", "none", 2.0, 0.3, [0.1, 0.3]),
+                                        run("gpt-xs-moe", "nvfp4", 2.02, 0.3, [0.2])]),
+                        ("gpt-xs-moe-dropless", [run("gpt-xs-moe-dropless", "none", 1.98, 0.2,
+                                                     [0.0]),
+                                                 run("gpt-xs-moe-dropless", "nvfp4", 1.99,
+                                                     0.25, [0.0])])):
+        (tmp_path / group / "compare").mkdir()
+        (tmp_path / group / "compare" / "summary.json").write_text(json.dumps(rows))
+    text = moe_study.main(["--runs", str(tmp_path), "--size", "xs"])
+    assert "| capacity | none | 1 | 2.0000 | +0.00% | +0.00% | ±1.00% | 20.00% | 1.00x |" in text
+    assert "| capacity | nvfp4 | 1 | 2.0200 | +1.00% | +1.00% | ±1.00% | 20.00% | 1.00x |" in text
+    assert "| dropless | nvfp4 | 1 | 1.9900 | +0.51% | -0.50% | ±1.00% | 0.00% | 0.83x |" in text
+    with pytest.raises(FileNotFoundError, match="mlp=moe,moe=capacity first"):
+        moe_study.load(tmp_path / "nothing", "xs")
