@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import distributed, metrics, runs, studylib
+from experiments import distributed, metrics, runs, runsets, studylib
 from experiments.config import RunConfig
 from experiments.configlib import ConfigError, parse_flags_or_exit
 
@@ -101,6 +101,8 @@ class RecipeResult:
     val: list[tuple[np.ndarray, np.ndarray]]
     params: int
     final_accuracy: list[float] = dataclasses.field(default_factory=list)  # where recorded
+    plan: dict | None = None  # a plan run's experiments.config.plan_identity (its bits, ...)
+    quant_recipe: str = ""  # the config's quant.recipe (the key can be a plan's name, or longer)
 
     @property
     def val_mean(self) -> float:
@@ -111,27 +113,43 @@ class RecipeResult:
         return statistics.stdev(self.final_val) if len(self.final_val) > 1 else 0.0
 
 
-def load_runs(run_dirs: Sequence[str | Path]) -> dict[str, RecipeResult]:
-    """Read runs (config.json, metrics.jsonl, summary.json) into one result per recipe."""
+def load_runs(
+    run_dirs: Sequence[str | Path], *, skipped: list[str] | None = None
+) -> dict[str, RecipeResult]:
+    """Read runs (config.json, metrics.jsonl, summary.json) into one result per experiment:
+    the runs that differ in nothing but their seed (:func:`experiments.runsets.group_seeds`:
+    not in length, data, recipe version, plan, ...), keyed by what they trained (the recipe,
+    a plan's name, with the fields that tell apart two experiments of one recipe).
+    ``skipped``: a list that receives the runs left out, with why (a second run of one
+    experiment and seed)."""
+    groups, left = runsets.group_seeds(runsets.read_run(d) for d in run_dirs)
+    if skipped is not None:
+        skipped += left
     out: dict[str, RecipeResult] = {}
-    for d in map(Path, run_dirs):
-        summary = json.loads((d / "summary.json").read_text())
-        recs = metrics.read_metrics(d / "metrics.jsonl")
-        tr = [r for r in recs if r["kind"] == "train"]
-        ev = [r for r in recs if r["kind"] == "eval"]
-        res = out.setdefault(
-            summary["recipe"],
-            RecipeResult(summary["recipe"], [], [], [], [], [], summary["params"]),
-        )
-        res.seeds.append(summary["seed"])
-        res.final_val.append(summary["final_val_loss"])
-        if summary.get("final_val_accuracy") is not None:
-            res.final_accuracy.append(summary["final_val_accuracy"])
-        if summary.get("step_s"):
-            res.step_s.append(summary["step_s"])
-        res.train.append((np.array([r["tokens"] for r in tr]), np.array([r["loss"] for r in tr])))
-        res.val.append((np.array([r["tokens"] for r in ev]), np.array([r["val_loss"] for r in ev])))
+    for g in groups:
+        first = g.runs[0]
+        res = out[g.label] = RecipeResult(
+            g.label, [], [], [], [], [], first.summary["params"], plan=first.plan,
+            quant_recipe=(first.config.get("quant") or {}).get("recipe", ""))
+        for r in g.runs:
+            _add_run(res, r)
     return out
+
+
+def _add_run(res: RecipeResult, run: runsets.RunRecord) -> None:
+    """Append one seed's numbers and curves to ``res``."""
+    summary = run.summary
+    recs = metrics.read_metrics(run.run_dir / "metrics.jsonl")
+    tr = [r for r in recs if r["kind"] == "train"]
+    ev = [r for r in recs if r["kind"] == "eval"]
+    res.seeds.append(summary["seed"])
+    res.final_val.append(summary["final_val_loss"])
+    if summary.get("final_val_accuracy") is not None:
+        res.final_accuracy.append(summary["final_val_accuracy"])
+    if summary.get("step_s"):
+        res.step_s.append(summary["step_s"])
+    res.train.append((np.array([r["tokens"] for r in tr]), np.array([r["loss"] for r in tr])))
+    res.val.append((np.array([r["tokens"] for r in ev]), np.array([r["val_loss"] for r in ev])))
 
 
 CONFIDENCE = 0.95  # of the noise intervals below
@@ -202,6 +220,7 @@ def summarize(
                 "recipe": r.recipe,
                 "seeds": len(r.seeds),
                 "params": r.params,
+                "plan_bits": r.plan["bits"] if r.plan else None,  # a plan's bits per parameter
                 "val_loss": r.val_mean,
                 "val_loss_std": r.val_std,
                 "gap_pct": 100 * (r.val_mean / base.val_mean - 1) if base else None,

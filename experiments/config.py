@@ -8,12 +8,19 @@ and data sections of its family (:mod:`experiments.families`), the training loop
 
 Every linear layer not matched by ``quant.high_precision`` runs under ``quant.recipe``
 through :func:`lowbit.flax.quantize` (the rules: :func:`quant_rules`).
+
+A run says what it trained: under ``quant.plan`` (a saved :class:`lowbit.autoquant.PrecisionPlan`)
+a config file's run ``<group>/<recipe>-s<seed>`` is named ``<group>/plan-<bits>b-<hash>-s<seed>``
+(:func:`run_label`; the hash is of the plan's sites and recipes), and summary.json records
+:func:`run_identity` (the label as ``recipe``, ``recipe_version``, the plan's
+:func:`plan_identity`). Runs without a plan keep their names.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -45,6 +52,9 @@ __all__ = [
     "read_run_config",
     "split_list",
     "fine_tune_config",
+    "plan_identity",
+    "run_label",
+    "run_identity",
 ]
 
 
@@ -73,6 +83,17 @@ class TrainConfig:
     distill_from: str = ""
     distill_temperature: float = 1.0
     distill_weight: float = 1.0
+    # Set by --extend (experiments/extend.py): the train.steps the run had before each
+    # extension. The learning-rate schedule (and a quant.switch_fraction) stays laid over the
+    # first (``schedule_steps``); past it the lr holds its final value, lr * min_lr_ratio. (A
+    # fresh run given it trains the steps the extended run does: tests check the extension so.)
+    extended_from: tuple[int, ...] = ()
+
+    @property
+    def schedule_steps(self) -> int:
+        """The steps the learning-rate schedule decays over: ``steps``, or for an extended run
+        its original length (``extended_from[0]``)."""
+        return self.extended_from[0] if self.extended_from else self.steps
 
     def __post_init__(self):
         for f in ("steps", "batch_size", "log_every", "eval_batches", "keep_checkpoints"):
@@ -83,10 +104,15 @@ class TrainConfig:
                 raise ValueError(
                     f"train.{f} must be >= 0 (0: only at the end), got {getattr(self, f)}"
                 )
-        if not 0 <= self.warmup_steps < self.steps:  # the cosine decay needs a step
+        ext = self.extended_from
+        if any(not isinstance(n, int) or n < 1 for n in ext) or list(ext) != sorted(set(ext)) \
+                or (ext and ext[-1] >= self.steps):
+            raise ValueError(f"train.extended_from must be increasing step counts below "
+                             f"steps={self.steps}, got {ext}")
+        if not 0 <= self.warmup_steps < self.schedule_steps:  # the cosine decay needs a step
             raise ValueError(
                 f"train.warmup_steps must be in [0, steps - 1], got {self.warmup_steps} with "
-                f"steps={self.steps}"
+                f"steps={self.schedule_steps}"
             )
         if self.lr <= 0:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
@@ -274,6 +300,7 @@ class RunConfig:
     def from_config(cls, c) -> RunConfig:
         """From a ConfigDict such as ``configs/gpt.py``'s or ``configs/digits.py``'s, or the
         dict of a run's config.json (dtype ``auto`` resolved here)."""
+        saved = isinstance(c, dict)  # a run's config.json keeps the name it was written under
         c = to_plain(c)
         known = {"name", "model", "data", "train", "quant", "mesh", "seed", "workdir"}
         known |= {"init_from", "family"}
@@ -287,7 +314,7 @@ class RunConfig:
         model = dict(c.get("model", {}))
         if model.get("dtype", "float32") == "auto":
             model["dtype"] = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-        return cls(
+        cfg = cls(
             name=str(c.get("name", "run")),
             model=to_dataclass(fam.model_config, model, "model"),
             data=to_dataclass(fam.data_config, c.get("data"), "data"),
@@ -299,6 +326,7 @@ class RunConfig:
             init_from=c.get("init_from") or "",
             family=family,
         )
+        return cfg if saved else _named_for_plan(cfg)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -373,11 +401,64 @@ ADDED = {
     ("train", "distill_from"): "",
     ("train", "distill_temperature"): 1.0,
     ("train", "distill_weight"): 1.0,
+    ("train", "extended_from"): [],
     **{("quant", f.name): f.default for f in dataclasses.fields(QuantConfig)
        if f.name.startswith(("osci_", "out_control", "switch_"))},
 }
 # Model fields an init_from run may change: they do not change the parameters.
 INIT_FROM_FREE = {"dtype"}
+
+
+def plan_identity(plan: autoquant.PrecisionPlan) -> dict:
+    """What a plan trains, as a run's summary.json records it: ``name`` (``plan-<bits>b-<hash>``,
+    the run's label), ``hash`` (of its sites, their members and recipes: the part that changes
+    the numbers), its ``bits`` per parameter, ``budget``, ``cost``, ``method`` and ``counts``
+    (sites per recipe)."""
+    d = plan.to_json()
+    what = json.dumps({k: d[k] for k in ("choices", "members", "recipes")}, sort_keys=True)
+    digest = hashlib.sha256(what.encode()).hexdigest()[:8]
+    return {"name": f"plan-{plan.bits:.2f}b-{digest}", "hash": digest, "bits": plan.bits,
+            "budget": plan.budget, "cost": plan.cost, "method": plan.method,
+            "counts": plan.counts()}
+
+
+def run_label(recipe: str, plan: dict | None) -> str:
+    """What a run trained under, as its name and summary say: the recipe; under a plan (a
+    :func:`plan_identity`) the plan's name, ``+<recipe>`` when the sites it leaves out are
+    quantized.
+
+    >>> run_label("mxfp4", None), run_label("none", {"name": "plan-4.50b-0123abcd"})
+    ('mxfp4', 'plan-4.50b-0123abcd')
+    """
+    if plan is None:
+        return recipe
+    return plan["name"] if recipe == "none" else f"{plan['name']}+{recipe}"
+
+
+def run_identity(cfg: RunConfig) -> dict:
+    """The summary.json fields that say what a run of ``cfg`` trained: ``recipe`` (its
+    :func:`run_label`), ``recipe_version``, ``plan`` (:func:`plan_identity` of the plan copy in
+    the run directory, else of ``quant.plan``) and ``extended_from`` where they apply."""
+    q, out = cfg.quant, {}
+    if q.plan is not None:
+        copy_ = cfg.run_dir / "plan.json"
+        out["plan"] = plan_identity(autoquant.Plan.load(copy_ if copy_.exists() else q.plan))
+    out = {"recipe": run_label(q.recipe, out.get("plan")), "recipe_version": q.recipe_version,
+           **out}
+    if cfg.train.extended_from:
+        out["extended_from"] = list(cfg.train.extended_from)
+    return out
+
+
+def _named_for_plan(cfg: RunConfig) -> RunConfig:
+    """A config file's run under ``quant.plan`` named for it: ``<group>/<recipe>-s<seed>``
+    (the config files' names) becomes ``<group>/<run_label>-s<seed>``, so that a plan run
+    never takes the directory, or the label, of a plain run of its recipe."""
+    head, slash, last = cfg.name.rpartition("/")
+    if cfg.quant.plan is None or last != f"{cfg.quant.recipe}-s{cfg.seed}":
+        return cfg
+    label = run_label(cfg.quant.recipe, plan_identity(autoquant.Plan.load(cfg.quant.plan)))
+    return dataclasses.replace(cfg, name=f"{head}{slash}{label}-s{cfg.seed}")
 
 
 def quant_rules(q: QuantConfig) -> list[tuple[str, str | lb.Recipe]]:
@@ -392,9 +473,10 @@ def quant_rules(q: QuantConfig) -> list[tuple[str, str | lb.Recipe]]:
     return rules
 
 
-def config_diff(saved: dict, now: dict, prefix=()) -> list[str]:
+def config_diff(saved: dict, now: dict, prefix=(), free=frozenset()) -> list[str]:
     """The fields that differ between two ``RunConfig.to_json()`` dicts, as ``"a.b: x -> y"``,
-    leaving out those a run may change when resumed (the name, the workdir, ``RESUMABLE``).
+    leaving out those a run may change when resumed (the name, the workdir, ``RESUMABLE``) and
+    the keys in ``free`` (tuples, such as ``("train", "steps")``).
     A key missing on one side reads as None (a field added since the run was written), or as
     the value older runs had in effect for the fields ``ADDED`` lists."""
     out = []
@@ -402,8 +484,8 @@ def config_diff(saved: dict, now: dict, prefix=()) -> list[str]:
         key = (*prefix, k)
         a, b = saved.get(k, ADDED.get(key)), now.get(k, ADDED.get(key))
         if isinstance(a, dict) and isinstance(b, dict):
-            out += config_diff(a, b, key)
-        elif a != b and key not in RESUMABLE and key != ("name",) and key != ("workdir",):
+            out += config_diff(a, b, key, free)
+        elif a != b and key not in RESUMABLE | free and key not in (("name",), ("workdir",)):
             out.append(f"{'.'.join(key)}: {a!r} -> {b!r}")
     return out
 

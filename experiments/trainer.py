@@ -3,12 +3,12 @@
 :func:`train` takes a :class:`experiments.config.RunConfig` (built from a config file by
 :meth:`~experiments.config.RunConfig.from_config`) and writes, under ``<workdir>/<name>/``::
 
-    config.json      the resolved config (what ran; compared on --resume)
+    config.json      the resolved config (what ran; compared on --resume; :mod:`.extend`)
     plan.json        with ``quant.plan``: a copy of the plan the run trains under (compared on
                      --resume, so an edited plan file does not change a run half-way)
     metrics.jsonl    train and eval records (:mod:`experiments.metrics`)
-    summary.json     final validation metrics (final_val_loss[, final_val_accuracy]), median
-                     step time, tokens/s
+    summary.json     what it trained (recipe: a plan's name under quant.plan, plan, ...),
+                     final validation metrics, median step time, tokens/s
     checkpoints/     orbax: the train state (parameters, optimizer, quantizer rng state,
                      step) and the data position, every checkpoint_every steps and at the end
                      (:mod:`experiments.checkpoints`)
@@ -70,9 +70,11 @@ from experiments.config import (
     family_of,
     quant_rules,
     read_run_config,
+    run_identity,
 )
 from experiments.configlib import ConfigError
 from experiments.distill import distill_objective
+from experiments.extend import resumed_config, write_record
 from experiments.families import DEFAULT_FAMILY
 from experiments.metrics import finite, progress_bar, truncate_metrics, write_json
 from lowbit import autoquant
@@ -157,7 +159,7 @@ def switch_step(cfg: RunConfig) -> int | None:
     q = cfg.quant
     if q.switch_to is None or q.switch_criterion:
         return None
-    return q.switch_step or max(1, round(q.switch_fraction * cfg.train.steps))
+    return q.switch_step or max(1, round(q.switch_fraction * cfg.train.schedule_steps))
 
 
 GRAD_NOISE_RATIO = 3**0.5
@@ -202,7 +204,7 @@ def _schedule(t: TrainConfig) -> optax.Schedule:
         init_value=0.0,
         peak_value=t.lr,
         warmup_steps=t.warmup_steps,
-        decay_steps=t.steps,
+        decay_steps=t.schedule_steps,  # an extended run's lr holds its final value after it
         end_value=t.lr * t.min_lr_ratio,
     )
 
@@ -483,10 +485,13 @@ def train(
     cfg: RunConfig,
     *,
     resume: bool = False,
+    extend: bool = False,
     devices=None,
     log: Callable[[str], None] = print,
 ) -> RunResult:
-    """Train ``cfg`` (see the module docstring); ``resume`` continues from the last checkpoint.
+    """Train ``cfg`` (see the module docstring); ``resume`` continues from the last checkpoint;
+    ``extend`` (implies ``resume``) trains a finished or stopped run on to a larger
+    ``train.steps`` (:mod:`experiments.extend`: the lr holds the schedule's final value).
     A run that starts afresh with ``cfg.init_from`` set takes its parameters from that run's
     latest checkpoint (checked before anything is written).
 
@@ -495,7 +500,8 @@ def train(
     False, :class:`experiments.data.DataError` for bad data, ConfigError for a bad config (an
     ``init_from`` that is not a run with a checkpoint of the same model included).
     """
-    has_ckpt, source = _check_start(cfg, resume)
+    cfg, ext, has_ckpt, source = _check_start(cfg, resume or extend, extend, log)
+    resume = resume or extend
     if resume and not has_ckpt:  # said, not silent: the run did not exist (or never saved)
         log(f"--resume: no checkpoint under {cfg.run_dir / 'checkpoints'}; starting "
             f"{cfg.name} from step 0")
@@ -527,6 +533,8 @@ def train(
     if resume and mngr.latest_step() is not None:
         state, batches = loop.resume(log)
         log(f"resumed {cfg.run_dir} at step {loop.start}")
+        if ext is not None and writer:
+            write_record(loop.metrics_path, ext, loop.start)
     else:
         state, batches = loop.fresh(init_params)
         if init_params is not None:
@@ -536,11 +544,12 @@ def train(
     return loop.finish(final_val)
 
 
-def _check_start(cfg: RunConfig, resume: bool) -> tuple[bool, tuple[Path, int] | None]:
-    """``(has_ckpt, source)``: whether the run directory holds checkpoints, and the
-    ``init_from`` checkpoint (directory, step) a fresh start reads, after the checks that
-    come before anything is read or written (:class:`RunExists`, a changed config or plan on
-    ``resume``, a bad ``init_from``)."""
+def _check_start(cfg: RunConfig, resume: bool, extend_: bool, log):
+    """``(cfg, extension, has_ckpt, source)``: the config the run trains (on ``resume``:
+    :func:`experiments.extend.resumed_config`, lengthened by ``extend_``), whether the run
+    directory holds checkpoints, and the ``init_from`` checkpoint (directory, step) a fresh
+    start reads, after the checks that come before anything is read or written
+    (:class:`RunExists`, a changed config or plan on ``resume``, a bad ``init_from``)."""
     run_dir = cfg.run_dir
     ckpt_dir = run_dir / "checkpoints"
     has_ckpt = ckpt_dir.exists() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
@@ -549,21 +558,12 @@ def _check_start(cfg: RunConfig, resume: bool) -> tuple[bool, tuple[Path, int] |
             f"{run_dir} already holds checkpoints: pass --resume to continue it, or choose "
             "another config.name (nothing was changed)"
         )
-    if resume and (run_dir / "config.json").exists():
-        saved = json.loads((run_dir / "config.json").read_text())
-        diff = config_diff(saved, cfg.to_json())
-        if diff:
-            raise ConfigError(f"--resume with a config that differs from {run_dir}: {diff}")
-    plan_copy = run_dir / "plan.json"  # the plan the run trains under, as it was at its start
-    if resume and cfg.quant.plan is not None and plan_copy.exists():
-        if autoquant.Plan.load(plan_copy) != autoquant.Plan.load(cfg.quant.plan):
-            raise ConfigError(
-                f"--resume: the plan file quant.plan={cfg.quant.plan!r} changed since {run_dir} "
-                f"started (the run trains under its copy {plan_copy}); nothing was changed"
-            )
+    ext = None
+    if resume:
+        cfg, ext = resumed_config(cfg, extend=extend_ and has_ckpt, log=log)
     # A resumed run continues from its own checkpoint: init_from is read only by a fresh start.
     source = check_init_from(cfg) if cfg.init_from and not (resume and has_ckpt) else None
-    return has_ckpt, source
+    return cfg, ext, has_ckpt, source
 
 
 def _init_params(cfg: RunConfig, trainer: Trainer, source: tuple[Path, int]):
@@ -760,7 +760,7 @@ class _Loop:
         step_time = statistics.median(self.intervals) if self.intervals else None
         summary = {
             "name": cfg.name,
-            "recipe": cfg.quant.recipe,
+            **run_identity(cfg),  # recipe (a plan's name), recipe_version[, plan, extended_from]
             "seed": cfg.seed,
             "init_from": cfg.init_from or None,
             "step": stop,
