@@ -141,10 +141,13 @@ def _kernel_gemm(a_rows, b_stack, gemm: GemmSpec, tag: int, gkeys, signs, sizes,
 
 
 def _gemm(a_rows, b_stack, gemm: GemmSpec, tag: int, gkeys, signs, sizes, st: Shape,
-          emulated):
-    """One of the forward / input-gradient GEMMs: ``emulated(a_rows, b_stack)``, or with
-    ``implementation="pallas"`` the grouped kernel where it can take the GEMM (lowered for
-    CUDA; the emulation on other platforms, or everywhere in interpret mode the kernel)."""
+          emulated, ok=True, *, b_transposed: bool = False):
+    """One of the forward / input-gradient GEMMs: ``emulated(a_rows, b_stack)`` (which
+    poisons its rows where ``ok`` is False itself), or with ``implementation="pallas"`` the
+    grouped kernel where it can take the GEMM (lowered for CUDA; the emulation on other
+    platforms, or everywhere in interpret mode the kernel). ``b_transposed``: the kernel
+    takes ``b_stack`` ``[G, K, N]`` transposed, ``[G, N, K]`` quantized along N (the input
+    gradient's weight; the emulation quantizes it in place, along its axis 1)."""
     if st.impl.gemm != "pallas":
         return emulated(a_rows, b_stack)
     why = _kernel_reason(gemm, st)
@@ -155,7 +158,8 @@ def _gemm(a_rows, b_stack, gemm: GemmSpec, tag: int, gkeys, signs, sizes, st: Sh
         return emulated(a_rows, b_stack)
 
     def pallas(a, b):
-        return _kernel_gemm(a, b, gemm, tag, gkeys, signs, sizes, st)
+        b = jnp.swapaxes(b, 1, 2) if b_transposed else b
+        return poison(_kernel_gemm(a, b, gemm, tag, gkeys, signs, sizes, st), ok)
 
     if st.impl.interpret:
         return pallas(a_rows, b_stack)
@@ -187,7 +191,7 @@ def _rdot_fwd(lhs, rhs, sizes, key, st: Shape):
 
     f = st.recipe.fwd
     signs = group_signs(f, gkeys, FWD, st.groups)
-    y = poison(_gemm(x, w, f, FWD, gkeys, signs, sizes, st, emulated), ok)
+    y = _gemm(x, w, f, FWD, gkeys, signs, sizes, st, emulated, ok)
     return y.astype(st.out_dtype), (lhs, rhs, sizes, key)
 
 
@@ -219,14 +223,16 @@ def _rdot_bwd(st: Shape, res, dy):
         dw = grouped_wgrad(x_src, g, lay.row_group, st)
     ok = _check_sizes(sizes, st.m)
 
-    def emulated(g, w_nk):
+    def emulated(g, w_kn):
         g_dl = features(g, dl.lhs, dl, (DLHS, 0), gkeys, s_dl, lay, st)
-        w_dl = quantize_weights(w_nk, dl.rhs, dl, 0, 1, (DLHS, 1), gkeys, s_dl, st)
-        return grouped_mm(g_dl, w_dl, lay.row_group, st,
+        w_dl = quantize_weights(w_kn, dl.rhs, dl, 1, 0, (DLHS, 1), gkeys, s_dl, st)
+        return grouped_mm(g_dl, w_dl, lay.row_group, st, transpose_b=True,
                           ok=ok if not r.through_forward else True)
 
-    # the weight as [G, N, K] quantized along N (its contraction), 2-D tiles spanning N x K
-    dx = _gemm(g, jnp.swapaxes(w_src, 1, 2), dl, DLHS, gkeys, s_dl, sizes, st, emulated)
+    # the weight [G, K, N] quantized along N (its contraction; 2-D tiles spanning N x K); the
+    # kernel takes it as [G, N, K] quantized along its axis 0: the same blocks
+    dx = _gemm(g, w_src, dl, DLHS, gkeys, s_dl, sizes, st, emulated,
+               ok if not r.through_forward else True, b_transposed=True)
     if r.through_forward:
         if mx is not None or rotated:
             dx = per_row_masked(through_fn(f, 0, rotated), dx, mx, fsigns, lay, st)
