@@ -260,7 +260,8 @@ def test_bad_operands_and_ungroupable_recipes_are_named():
             "sr_fwd", fwd=R.GemmSpec(R.QuantSpec("mxfp4", rounding="stochastic"), None)))
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "w4a16_mxfp4", "qat_nvfp4"])
+@pytest.mark.parametrize("recipe", ["qat_nvfp4", pytest.param("mxfp8", marks=pytest.mark.slow),
+                                    pytest.param("w4a16_mxfp4", marks=pytest.mark.slow)])
 def test_the_grouped_kernel_in_interpret_mode_equals_the_emulation(recipe):
     """implementation="pallas" (interpret mode): the forward and input-gradient GEMMs through
     pallas_kernels.grouped_matmul, the weight gradient emulated; the same numbers up to
