@@ -114,7 +114,9 @@ class GPTFamily(Family):
         m = cfg.model
         features = [("model.d_model", m.d_model), ("model.d_model * model.mlp_ratio", m.d_ff)]
         tokens = [("model.seq_len", m.seq_len)]
-        if m.mlp == "moe":  # experts' weight gradients contract the capacity axis
+        # capacity experts' weight gradients contract the capacity axis (lb.ragged_dot pads
+        # each dropless expert's rows to its blocks itself)
+        if m.mlp == "moe" and m.moe_impl == "capacity":
             tokens.append(("model.capacity_multiple", m.capacity_multiple))
         return features, tokens
 

@@ -213,3 +213,17 @@ def test_moe_study_page_reads_both_paths_gaps_and_drops(tmp_path):
     assert "| dropless | nvfp4 | 1 | 1.9900 | +0.51% | -0.50% | ±1.00% | 0.00% | 0.83x |" in text
     with pytest.raises(FileNotFoundError, match="mlp=moe,moe=capacity first"):
         moe_study.load(tmp_path / "nothing", "xs")
+
+
+def test_the_capacity_multiple_binds_the_capacity_path_only():
+    """A Hadamard of 128 along the tokens (quartet2) needs the capacity axis in multiples of
+    128; the dropless path pads each expert's rows itself, so the same config passes."""
+    from experiments.configlib import ConfigError
+
+    def cfg(moe):
+        return load_config(f"{ROOT / 'configs/gpt.py'}:size=xs,mlp=moe,moe={moe},"
+                           "recipe=quartet2")
+
+    with pytest.raises(ConfigError, match=r"model\.capacity_multiple=32 must be a multiple"):
+        RunConfig.from_config(cfg("capacity"))
+    assert RunConfig.from_config(cfg("dropless")).model.moe_impl == "dropless"
