@@ -41,6 +41,8 @@ import numpy as np
 
 from pallas_kernels import aot, gpu_check
 from pallas_kernels.block_scaled_matmul.kernel import matmul_pallas
+from pallas_kernels.grouped_matmul import check as grouped_check
+from pallas_kernels.grouped_matmul.api import run_kernel as grouped_kernel
 from pallas_kernels.quantized_gemm.kernel import kernel_configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,6 +94,7 @@ def configurations() -> set[tuple[str, str]]:
     ``get_default`` alone (nothing compiled): what the report must hold for each target."""
     out = {(_name(c), str(c.config)) for c in gpu_check.quantize_cases()}
     out |= {(_name(c), str(c.config)) for c in gpu_check.matmul_cases()}
+    out |= {(_name(c), str(c.config)) for c in grouped_check.cases()}
     for c in gpu_check.gemm_cases():
         out |= {(_name(c), str(cfg)) for cfg in gemm_kernel_configs(c).values()}
     return out
@@ -111,6 +114,10 @@ def _compiled_cases(s: aot.Session):
         fn = lambda a, b, c=c: matmul_pallas(a, b, config=c.config,  # noqa: E731
                                              out_dtype=jnp.bfloat16)
         yield "matmul", _name(c), lambda _, c=c: str(c.config), fn, specs
+    for c in grouped_check.cases():
+        fn = lambda a, b, tg: grouped_kernel(a, b, tg, out_dtype=jnp.bfloat16)  # noqa: E731
+        yield ("grouped", _name(c), lambda _, c=c: str(c.config), fn,
+               s.place(grouped_check.specs(c)))
     for c in gpu_check.gemm_cases():
         cfgs = gemm_kernel_configs(c)
         yield ("gemm", _name(c), lambda kname, cfgs=cfgs: str(cfgs[_gemm_role(kname)]),

@@ -66,6 +66,7 @@ from pallas_kernels.block_scaled_matmul.reference import (
     block_scaled_matmul_reference,
     dequantized,
 )
+from pallas_kernels.grouped_matmul import check as grouped_check
 from pallas_kernels.quantize import Config as QuantizeConfig
 from pallas_kernels.quantize import get_default as quantize_default
 from pallas_kernels.quantize import quantize
@@ -514,6 +515,7 @@ def run_gpu(budget_s: float) -> int:
     _time_dots(run)
     _check_quantize(run)
     _check_matmul(run)
+    grouped_check.check_gpu(run)
     _check_gemms(run)
     failures, skipped = run.failures, run.skipped
     spent = time.perf_counter() - run.t_start
@@ -590,6 +592,7 @@ def run_dry() -> int:
                         f"{'ok' if ok else 'FAILED'} (max err {err:.1e})")
 
         _dry_check(failures, case.name, check)
+    grouped_check.check_dry(failures, _dry_check)
     for case in gemm_cases():
 
         def check(case=case):

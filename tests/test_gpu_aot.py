@@ -36,7 +36,7 @@ def test_report_covers_every_kernel_kind_and_step_on_both_targets():
     for target in aot.TARGETS:
         rows = [r for r in REPORT["rows"] if r["target"] == target]
         kinds = {r["kernel"].split("_")[0] for r in rows}
-        assert {"quantize", "block"} <= kinds
+        assert {"quantize", "block", "grouped"} <= kinds
         steps = {d["recipe"] for d in REPORT["steps"] if d["target"] == target}
         assert steps == set(gpu_aot.STEP_RECIPES)
     # the FP4 steps run their weight gradients through the kernels
@@ -57,7 +57,7 @@ def test_report_markdown_matches_its_json():
     n = len(REPORT["rows"])
     assert f"{n} Pallas kernel launches, 0 spilling, 0 compile failures." in md
     assert md.count("\n| quantize |") + md.count("\n| matmul |") + md.count(
-        "\n| gemm |") + md.count("\n| step |") == n
+        "\n| grouped |") + md.count("\n| gemm |") + md.count("\n| step |") == n
 
 
 def test_session_without_the_cuda_plugin_says_what_to_install():
