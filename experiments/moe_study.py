@@ -104,10 +104,14 @@ def main(argv=None) -> str:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     rows = load(Path(a.runs), a.size)
-    recipes = [r["recipe"] for r in rows if r["path"] == "capacity"]
-    cmd = (f"`python -m experiments.compare --config configs/gpt.py:size={a.size},mlp=moe"
-           f"[,moe=dropless] --recipes {','.join(recipes)} "
-           f"--seeds 0 --noise_seeds 1`, then `python -m experiments.moe_study --size {a.size}`")
+    def recipes(path):
+        return ",".join(r["recipe"] for r in rows if r["path"] == path)
+
+    cmd = (f"`python -m experiments.compare --config configs/gpt.py:size={a.size},mlp=moe "
+           f"--recipes {recipes('capacity')} --seeds 0 --noise_seeds 1`, `python -m "
+           f"experiments.compare --config configs/gpt.py:size={a.size},mlp=moe,moe=dropless "
+           f"--recipes {recipes('dropless')} --seeds 0 --noise_seeds 1`, then `python -m "
+           f"experiments.moe_study --size {a.size}`")
     text = render(rows, cmd)
     if a.out:
         Path(a.out).write_text(text)
