@@ -39,7 +39,7 @@ import copy
 import ml_collections
 
 from configs import gpt
-from experiments.configlib import parse_arg
+from experiments.configlib import flatten, parse_arg
 
 # The weight formats compared, all with int8 per-token activations; "none" is the float
 # baseline. A weight stored in float counts as bf16 (16 bits).
@@ -71,27 +71,17 @@ def _items(key: str, value: str) -> list[str]:
     return items
 
 
-def _flat(d: dict, prefix: tuple = ()) -> dict[tuple, object]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, (*prefix, k)))
-        else:
-            out[(*prefix, k)] = v
-    return out
-
-
 def size_section(size: str, base: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The fields of ``configs/gpt.py:size=<size>`` that differ by size: ``SIZE_FIELDS``, and
     any other field whose value still differs from ``base``'s once those are set (fields that
     follow others, such as ``train.eval_every``, keep following them)."""
     own_cfg = gpt.get_config(f"size={size},recipe=none,seed=0")
-    own = _flat(own_cfg.to_dict())
+    own = flatten(own_cfg.to_dict())
     keys = [(sec, k) for sec, ks in SIZE_FIELDS.items() for k in ks]
     ref = copy.deepcopy(base)
     for sec, k in keys:
         ref[sec][k] = own_cfg[sec][k]
-    ref = _flat(ref.to_dict())
+    ref = flatten(ref.to_dict())
     keys += [p for p, v in own.items() if p[0] != "name" and p not in keys and ref.get(p) != v]
     s = ml_collections.ConfigDict()
     for path in keys:

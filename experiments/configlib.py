@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import ml_collections
 
-__all__ = ["ConfigError", "parse_arg", "load_config", "to_dataclass", "to_plain",
+__all__ = ["ConfigError", "parse_arg", "load_config", "to_dataclass", "to_plain", "flatten",
            "parse_flags_or_exit", "one_line"]
 
 T = TypeVar("T")
@@ -75,6 +75,21 @@ def load_config(spec: str) -> ml_collections.ConfigDict:
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path!r} defines no get_config(arg)")
     return module.get_config(arg or None)
+
+
+def flatten(d: dict, prefix: tuple = ()) -> dict[tuple, object]:
+    """A nested dict (a config's ``to_dict()``, a ``config.json``) as ``{key path: leaf}``.
+
+    >>> flatten({"train": {"steps": 5, "opt": {"lr": 0.1}}, "seed": 0})
+    {('train', 'steps'): 5, ('train', 'opt', 'lr'): 0.1, ('seed',): 0}
+    """
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, (*prefix, k)))
+        else:
+            out[(*prefix, k)] = v
+    return out
 
 
 def to_plain(x: Any) -> Any:

@@ -42,6 +42,7 @@ from experiments.config import (
     plan_identity,
     run_label,
 )
+from experiments.configlib import flatten
 from experiments.families import DEFAULT_FAMILY, FAMILIES
 from lowbit import autoquant
 
@@ -64,16 +65,6 @@ def _defaults(family: str) -> dict[tuple, object]:
             if f.default is not dataclasses.MISSING:
                 out[(section, f.name)] = list(f.default) if isinstance(f.default, tuple) \
                     else f.default
-    return out
-
-
-def _flat(d: dict, prefix=()) -> dict[tuple, object]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, (*prefix, k)))
-        else:
-            out[(*prefix, k)] = v
     return out
 
 
@@ -122,7 +113,7 @@ class RunRecord:
     def identity(self) -> dict[str, object]:
         """Everything but the seed (see the module docstring), ``{"a.b": value}``."""
         family = self.config.get("family") or DEFAULT_FAMILY
-        flat = {**_defaults(family), **ADDED, **_flat(self.config)}
+        flat = {**_defaults(family), **ADDED, **flatten(self.config)}
         out = {}
         for key, v in flat.items():
             if key in NOT_IDENTITY:

@@ -36,7 +36,7 @@ import numbers
 import re
 from collections.abc import Mapping, Sequence
 
-__all__ = ["COSTS", "check_cost", "parse_fractions", "site_fractions"]
+__all__ = ["COSTS", "check_cost", "compile_pattern", "parse_fractions", "site_fractions"]
 
 COSTS = ("stored", "active")
 
@@ -46,6 +46,18 @@ def check_cost(cost, where: str) -> str:
     if not isinstance(cost, str) or cost not in COSTS:
         raise ValueError(f"{where}: unknown cost={cost!r}; valid costs: {COSTS}")
     return cost
+
+
+def compile_pattern(pattern, what: str) -> re.Pattern:
+    """``pattern`` (a regex string or a compiled one) compiled, or an error naming ``what``
+    (``"score: groups[0]"``) and the bad value."""
+    pat = pattern.pattern if isinstance(pattern, re.Pattern) else pattern
+    if not isinstance(pat, str):
+        raise TypeError(f"{what} must be a regex string, got {pattern!r}")
+    try:
+        return re.compile(pat)
+    except re.error as e:
+        raise ValueError(f"{what}: bad regex {pat!r}: {e}") from None
 
 
 def parse_fractions(active_fraction, where: str = "score") -> list[tuple[re.Pattern, float]]:
@@ -61,13 +73,8 @@ def parse_fractions(active_fraction, where: str = "score") -> list[tuple[re.Patt
         )
     out = []
     for pattern, f in active_fraction.items():
-        pat = pattern.pattern if isinstance(pattern, re.Pattern) else pattern
-        if not isinstance(pat, str):
-            raise TypeError(f"{where}: active_fraction keys must be regex strings, got {pattern!r}")
-        try:
-            rx = re.compile(pat)
-        except re.error as e:
-            raise ValueError(f"{where}: active_fraction: bad regex {pat!r}: {e}") from None
+        rx = compile_pattern(pattern, f"{where}: active_fraction")
+        pat = rx.pattern
         ok = isinstance(f, numbers.Real) and not isinstance(f, bool) and math.isfinite(f)
         if not ok or not 0.0 < float(f) <= 1.0:
             raise ValueError(

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowbit.autoquant.costs import check_cost, parse_fractions, site_fractions
+from lowbit.autoquant.costs import check_cost, compile_pattern, parse_fractions, site_fractions
 from lowbit.autoquant.heuristic import classify
 from lowbit.autoquant.programs import NONE, needs_key, program, scalar
 from lowbit.autoquant.solver import recipe_from_json, recipe_to_json
@@ -292,13 +292,8 @@ def _groups(sites: list[_Site], groups) -> dict[str, tuple[str, ...]]:
     keyed: dict[tuple, list[str]] = {}
     owner: dict[str, str] = {}
     for gi, pattern in enumerate(groups):
-        pat = pattern.pattern if isinstance(pattern, re.Pattern) else pattern
-        if not isinstance(pat, str):
-            raise TypeError(f"score: groups[{gi}] must be a regex string, got {pattern!r}")
-        try:
-            rx = re.compile(pat)
-        except re.error as e:
-            raise ValueError(f"score: groups[{gi}]: bad regex {pat!r}: {e}") from None
+        rx = compile_pattern(pattern, f"score: groups[{gi}]")
+        pat = rx.pattern
         hit = False
         for s in sites:
             m = rx.fullmatch(s.path)

@@ -72,6 +72,16 @@ def _draw(stream, recipe: Recipe):
     return stream() if recipe.needs_key else None
 
 
+def _site_op(op, recipe, rngs, implementation, site) -> None:
+    """What every single-recipe op holds: its recipe, resolved implementation, site path and
+    the ``"quant"`` stream its recipe draws keys from (None when it draws none)."""
+    op.recipe = _recipes.get(recipe)
+    op.implementation = resolve(implementation)
+    op.site = site
+    where = f"{type(op).__name__}({op.recipe.name!r})"
+    op.stream = nnx.data(_stream(rngs, (op.recipe,), where))
+
+
 class OutControlState(nnx.Variable):
     """OutControl's state of a site (:mod:`lowbit.flax.training`; not trained): recorded
     channel norms, the chosen channels and the two switches."""
@@ -107,11 +117,8 @@ class DotGeneral(nnx.Module):
         lowrank=None,
         rotate=None,
     ):
-        self.recipe = _recipes.get(recipe)
-        self.implementation = resolve(implementation)
-        self.site = site
+        _site_op(self, recipe, rngs, implementation, site)
         self.packed = packed  # the weight enters pre-quantized (a PackedModel's site)
-        self.stream = nnx.data(_stream(rngs, (self.recipe,), f"DotGeneral({self.recipe.name!r})"))
         self.smooth = nnx.Param(jnp.asarray(smooth, jnp.float32)) if smooth is not None else None
         self.rotate = nnx.Param(jnp.asarray(rotate, jnp.float32)) if rotate is not None else None
         if lowrank is not None:
@@ -194,10 +201,7 @@ class Einsum(nnx.Module):
         implementation: str | Implementation | None = None,
         site: str | None = None,
     ):
-        self.recipe = _recipes.get(recipe)
-        self.implementation = resolve(implementation)
-        self.site = site
-        self.stream = nnx.data(_stream(rngs, (self.recipe,), f"Einsum({self.recipe.name!r})"))
+        _site_op(self, recipe, rngs, implementation, site)
 
     def __call__(
         self, subscripts, lhs, rhs, precision=None, preferred_element_type=None, out_sharding=None
@@ -312,10 +316,7 @@ class RaggedDot(nnx.Module):
         implementation: str | Implementation | None = None,
         site: str | None = None,
     ):
-        self.recipe = _recipes.get(recipe)
-        self.implementation = resolve(implementation)
-        self.site = site
-        self.stream = nnx.data(_stream(rngs, (self.recipe,), f"RaggedDot({self.recipe.name!r})"))
+        _site_op(self, recipe, rngs, implementation, site)
 
     def __call__(self, lhs, rhs, group_sizes):
         return _core.qragged_dot(lhs, rhs, group_sizes, self.recipe,

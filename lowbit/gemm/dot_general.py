@@ -28,7 +28,6 @@ import numpy as np
 from jax import lax
 
 from lowbit.core import formats as _formats
-from lowbit.core import hadamard as _hadamard
 from lowbit.gemm import recipes as _recipes
 from lowbit.gemm.implementation import Implementation, kernel, resolve
 from lowbit.gemm.operand import (
@@ -36,7 +35,9 @@ from lowbit.gemm.operand import (
     fold_key,
     gemm_signs,
     prepare_operand,
+    through_forward,
     unpack_operand,
+    unrotated,
 )
 from lowbit.gemm.recipes import GemmSpec, Recipe
 
@@ -133,29 +134,6 @@ def _fwd_operands(lhs, rhs, dims: _Dims, recipe: Recipe, key, native: bool,
         (lq, ml), (rq, mr) = lq, rq
         return lq, rq, signs, ml, mr
     return lq, rq, signs
-
-
-def _through_forward(g, mask, gemm: GemmSpec, axis, signs, rotated: bool):
-    """The gradient ``g`` of a forward operand carried back through the forward's quantizer:
-    into the forward's Hadamard basis (unless ``rotated``: ``g`` is already the gradient of
-    the operand's value inside it), the trust mask, and out of the basis again."""
-    if mask is None and not rotated:
-        return g
-    h = gemm.hadamard if axis is not None else None
-    if h and not rotated:
-        g = _hadamard.hadamard_transform(g, h, signs=signs, axis=axis)
-    if mask is not None:
-        g = jnp.where(mask, g, np.float32(0))
-    if h:
-        g = _hadamard.hadamard_transform(g, h, signs=signs, axis=axis, inverse=True)
-    return g
-
-
-def _unrotated(xq, gemm: GemmSpec, axis, signs):
-    """A forward operand in the original basis (undo the forward Hadamard)."""
-    if not gemm.hadamard or axis is None:
-        return xq
-    return _hadamard.hadamard_transform(xq, gemm.hadamard, signs=signs, inverse=True, axis=axis)
 
 
 def _dot(a, b, dn):
@@ -267,9 +245,9 @@ def _pallas_bwd(lhs, rhs, dy, st: _Call, key):
         dims = _Dims.of(st.dn, lhs.ndim, rhs.ndim)
         lq, rq, fwd_signs = _fwd_operands(lhs, rhs, dims, recipe, key, st.native)
     s_dl, s_dr = gemm_signs(dl, key, _DLHS), gemm_signs(dr, key, _DRHS)
-    w = rhs if dl.rhs is not None else _unrotated(rq, recipe.fwd, rc, fwd_signs)
+    w = rhs if dl.rhs is not None else unrotated(rq, recipe.fwd, rc, fwd_signs)
     dlhs = _gemm(dy.reshape(-1, n), w.T if rc == 0 else w, dl, key, _DLHS, s_dl, st)
-    x = lhs if dr.lhs is not None else _unrotated(lq, recipe.fwd, lhs.ndim - 1, fwd_signs)
+    x = lhs if dr.lhs is not None else unrotated(lq, recipe.fwd, lhs.ndim - 1, fwd_signs)
     drhs = _gemm(x.reshape(-1, k).T, dy.reshape(-1, n), dr, key, _DRHS, s_dr, st)
     return dlhs.reshape(lhs.shape), (drhs if rc == 0 else drhs.T)
 
@@ -294,8 +272,8 @@ def _pallas_bwd_through_forward(lhs, rhs, dy, st: _Call, key):
     else:  # trust masks only: the usual backward, then the masks
         dlhs, drhs = _pallas_bwd(lhs, rhs, dy, st, key)
     f = recipe.fwd
-    dlhs = _through_forward(dlhs, ml, f, lhs.ndim - 1, signs, rotated=rotated)
-    drhs = _through_forward(drhs, mr, f, rc, signs, rotated=rotated)
+    dlhs = through_forward(dlhs, ml, f, lhs.ndim - 1, signs, rotated=rotated)
+    drhs = through_forward(drhs, mr, f, rc, signs, rotated=rotated)
     return dlhs, drhs
 
 
@@ -333,13 +311,13 @@ def _bwd_static_operands(lhs, rhs, lq, rq, fwd_signs, dims: _Dims, recipe: Recip
     r_axis, r_other = _last(dims.rhs_free), _last(dims.rhs_contract)
     l_axis, l_other = _last(dims.lhs_free), _last(dims.lhs_contract)
     if dl.rhs is None:  # straight-through: the forward's operand, original basis
-        w = _unrotated(rq, recipe.fwd, _last(dims.rhs_contract), fwd_signs)
+        w = unrotated(rq, recipe.fwd, _last(dims.rhs_contract), fwd_signs)
         w_dl = _prepare(w, None, dl, r_axis, r_other, None, s_dl, False, native=native)
     else:
         w_dl = _prepare(rhs, dl.rhs, dl, r_axis, r_other, fold_key(key, _DLHS, 1), s_dl, True,
                         packed, native=native)
     if dr.lhs is None:
-        x = _unrotated(lq, recipe.fwd, _last(dims.lhs_contract), fwd_signs)
+        x = unrotated(lq, recipe.fwd, _last(dims.lhs_contract), fwd_signs)
         x_dr = _prepare(x, None, dr, l_axis, l_other, None, s_dr, False, native=native)
     else:
         x_dr = _prepare(lhs, dr.lhs, dr, l_axis, l_other, fold_key(key, _DRHS, 0), s_dr, True,
@@ -390,8 +368,8 @@ def _qdot_bwd(st: _Call, res, dy):
     drhs = _transpose_rhs(dy_dr, x_dr, dn, st.rhs_shape)
     if recipe.through_forward:
         f = recipe.fwd
-        dlhs = _through_forward(dlhs, ml, f, _last(dims.lhs_contract), signs, rotated=rotated)
-        drhs = _through_forward(drhs, mr, f, _last(dims.rhs_contract), signs, rotated=rotated)
+        dlhs = through_forward(dlhs, ml, f, _last(dims.lhs_contract), signs, rotated=rotated)
+        drhs = through_forward(drhs, mr, f, _last(dims.rhs_contract), signs, rotated=rotated)
     return dlhs.astype(st.lhs_dtype), drhs.astype(st.rhs_dtype), None
 
 
@@ -450,8 +428,8 @@ def forward_operands(
     dims = _Dims.of(dn, lhs.ndim, rhs.ndim)
     lq, rq, signs = _fwd_operands(lhs, rhs, dims, r, key, impl.cpu_kernel)
     return (
-        _unrotated(lq, r.fwd, _last(dims.lhs_contract), signs),
-        _unrotated(rq, r.fwd, _last(dims.rhs_contract), signs),
+        unrotated(lq, r.fwd, _last(dims.lhs_contract), signs),
+        unrotated(rq, r.fwd, _last(dims.rhs_contract), signs),
     )
 
 

@@ -17,7 +17,6 @@ import numpy as np
 from jax import lax
 
 from lowbit.core import formats as _formats
-from lowbit.core import hadamard as _hadamard
 from lowbit.gemm import recipes as _recipes
 from lowbit.gemm.implementation import Implementation
 from lowbit.gemm.operand import (
@@ -27,6 +26,8 @@ from lowbit.gemm.operand import (
     gemm_signs,
     hadamard_along,
     prepare_operand,
+    through_forward,
+    unrotated,
 )
 from lowbit.gemm.recipes import GemmSpec, QuantSpec, Recipe
 
@@ -361,34 +362,19 @@ def unrotate_rows(x, gemm: GemmSpec, signs, lay, st):
     """Undo ``gemm``'s Hadamard along the features of a row-side operand (per group)."""
     if not gemm.hadamard:
         return x
-    f = lambda xr, s: _hadamard.hadamard_transform(  # noqa: E731
-        xr, gemm.hadamard, signs=s, inverse=True, axis=0)
-    return _per_row(f, x, signs, lay=lay, st=st)
+    return _per_row(lambda xr, s: unrotated(xr, gemm, 0, s), x, signs, lay=lay, st=st)
 
 
 def unrotate_weights(w, gemm: GemmSpec, signs, axis):
     if not gemm.hadamard:
         return w
-    f = lambda wg, s: _hadamard.hadamard_transform(  # noqa: E731
-        wg, gemm.hadamard, signs=s, inverse=True, axis=axis)
-    return jax.vmap(f, in_axes=(0, vmap_axis(signs)))(w, signs)
+    return jax.vmap(lambda wg, s: unrotated(wg, gemm, axis, s),
+                    in_axes=(0, vmap_axis(signs)))(w, signs)
 
 
 def through_fn(gemm: GemmSpec, axis: int, rotated: bool):
-    """The gradient of a forward operand carried back through the forward's quantizer (trust
-    mask, Hadamard basis), as :func:`lowbit.dot_general` does: for one row or one weight."""
-    h = gemm.hadamard
-
-    def one(gx, m, s):
-        if h and not rotated:
-            gx = _hadamard.hadamard_transform(gx, h, signs=s, axis=axis)
-        if m is not None:
-            gx = jnp.where(m, gx, np.float32(0))
-        if h:
-            gx = _hadamard.hadamard_transform(gx, h, signs=s, axis=axis, inverse=True)
-        return gx
-
-    return one
+    """:func:`lowbit.gemm.operand.through_forward` for one row or one weight (to vmap)."""
+    return lambda gx, m, s: through_forward(gx, m, gemm, axis, s, rotated)
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,6 +41,8 @@ __all__ = [
     "apply_static_amax",
     "std_scaled_quantize",
     "scaled_fake_quantize",
+    "through_forward",
+    "unrotated",
 ]
 
 _TENSOR_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2, "int8": jnp.int8}
@@ -325,3 +327,27 @@ def prepare_operand(x, spec: QuantSpec | None, gemm: GemmSpec, axis, other_axis,
     return quantize_operand(x, spec, axis, other_axis, key, packed=packed,
                             hadamard=gemm.hadamard or None, signs=signs, native=native,
                             tensor_amax=tensor_amax)
+
+
+def through_forward(g, mask, gemm: GemmSpec, axis, signs, rotated: bool):
+    """The gradient ``g`` of a forward operand carried back through the forward's quantizer:
+    into the forward's Hadamard basis (unless ``rotated``: ``g`` is already the gradient of
+    the operand's value inside it), the trust mask, and out of the basis again. Shared by
+    ``lowbit.dot_general`` and the grouped GEMM (per row and per group weight)."""
+    if mask is None and not rotated:
+        return g
+    h = gemm.hadamard if axis is not None else None
+    if h and not rotated:
+        g = _hadamard.hadamard_transform(g, h, signs=signs, axis=axis)
+    if mask is not None:
+        g = jnp.where(mask, g, np.float32(0))
+    if h:
+        g = _hadamard.hadamard_transform(g, h, signs=signs, axis=axis, inverse=True)
+    return g
+
+
+def unrotated(xq, gemm: GemmSpec, axis, signs):
+    """A forward operand in the original basis (undo ``gemm``'s Hadamard along ``axis``)."""
+    if not gemm.hadamard or axis is None:
+        return xq
+    return _hadamard.hadamard_transform(xq, gemm.hadamard, signs=signs, inverse=True, axis=axis)
