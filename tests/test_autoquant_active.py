@@ -159,3 +159,36 @@ def test_cost_model_errors(model):
     # the router is not scored by default, so a regex for it reaches nothing
     with pytest.raises(ValueError, match=r"regex '\.\*router' matches no scored site"):
         score({".*router": 0.5})
+
+
+def _modelopt_effective_bits(modules, bits, ratio):
+    """A transcription of NVIDIA/Model-Optimizer @ 51c4623e,
+    modelopt/torch/quantization/_auto_quantize_cost.py: ``is_routed_moe_module_name``
+    (lines 92-94), ``ActiveMoECostModel.module_cost_weight`` (197-205) and
+    ``AutoQuantizeCostModel.total_weight_size`` (147-158): effective bits = sum over modules
+    of numel x bits x weight, over sum of numel x weight, weight = ratio for routed experts."""
+    import re
+
+    routed = re.compile(r"(^|\.)experts(\.|$)")
+
+    def weight(name):
+        return ratio if "shared_expert" not in name and routed.search(name) else 1.0
+
+    num = sum(n * bits[name] * weight(name) for name, n in modules.items())
+    den = sum(n * weight(name) for name, n in modules.items())
+    return num / den
+
+
+def test_active_bits_equal_modelopts_active_moe_effective_bits(scores):
+    """ModelOpt's module names for the GPT's sites (its experts live under ``.experts.``); the
+    per-element bits are lowbit's stored ones on both sides (ModelOpt would use a format's
+    nominal bits), so what is compared is the weighting."""
+    names = {"blocks.0.attn.qkv": 3072, "blocks.0.attn.out": 1024,
+             "blocks.0.moe.experts.up": 16384, "blocks.0.moe.experts.down": 16384}
+    for attn, experts in (("none", "qat_mxfp4"), ("qat_mxfp4", "none"),
+                          ("qat_mxfp4", "qat_mxfp4")):
+        b = {"none": 16.0, "qat_mxfp4": 4.25}
+        bits = {n: b[experts if "experts" in n else attn] for n in names}
+        want = _modelopt_effective_bits(names, bits, ratio=CFG.top_k / CFG.experts)
+        ch = dict(zip(scores.sites, (attn, experts), strict=True))
+        assert scores.bits(ch, cost="active") == pytest.approx(want, rel=1e-12)

@@ -18,15 +18,21 @@ builds it from the GPT config). A site's active cost is its fraction times its s
 group adds its members', so a group that mixes experts and dense sites is counted exactly.
 
 This mirrors NVIDIA ModelOpt's ``active_moe`` cost model of ``auto_quantize``
-(``modelopt/torch/quantization/_auto_quantize_cost.py``, ``ActiveMoECostModel``, in
-NVIDIA/Model-Optimizer; ``constraints={"effective_bits": ..., "cost_model": "active_moe",
+(NVIDIA/Model-Optimizer @ 51c4623e, ``modelopt/torch/quantization/_auto_quantize_cost.py``:
+``ActiveMoECostModel.module_cost_weight`` at lines 197-205 gives a routed-expert module the
+ratio and every other module 1, ``AutoQuantizeCostModel.total_weight_size`` at 147-158 weights
+the effective-bits denominator the same way, ``infer_active_moe_expert_ratio`` at 78-89 reads
+``top_k / num_experts``; tests/test_autoquant_active.py holds lowbit to a transcription of
+those lines; ``constraints={"effective_bits": ..., "cost_model": "active_moe",
 "cost": {"active_moe_expert_ratio": r}}``, the default cost model being ``"weight"``): the
 weight size of a routed-expert group is multiplied by ``r = top_k / num_experts`` (read from the
 Hugging Face config when not given; ``r`` must lie in (0, 1]), and the effective-bits target is
 taken over the so-weighted, uncompressed cost. ModelOpt finds routed experts by module name
 (``.experts.``, shared experts excluded) and gives a whole group one ratio; here the caller
 names the sites by regex, each with its own fraction, and costs count scales as stored
-(:mod:`lowbit.bits`) where ModelOpt counts a format's nominal effective bits.
+(:mod:`lowbit.bits`) where ModelOpt counts a format's nominal effective bits. ModelOpt also
+gives vision-tower and MTP modules a weight of 0 by name (lines 137-144); lowbit's models have
+none, and a caller excludes a site from the rules instead.
 """
 
 from __future__ import annotations

@@ -351,18 +351,11 @@ def quantize_weights(w, spec, gemm: GemmSpec, axis, other, tags, gkeys, signs, s
     return jax.vmap(one, in_axes=(0, vmap_axis(gkeys), vmap_axis(signs)))(w, gkeys, signs)
 
 
-def _per_row(fn, x, *per_group, lay: Layout, st: Shape):
-    """``fn(row, *group values)`` vmapped over the caller's rows (None stays None)."""
-    rg = jnp.minimum(lay.row_group, st.groups - 1)
-    vals = [None if a is None else a[rg] for a in per_group]
-    return jax.vmap(fn, in_axes=(0, *(vmap_axis(a) for a in vals)))(x, *vals)
-
-
 def unrotate_rows(x, gemm: GemmSpec, signs, lay, st):
     """Undo ``gemm``'s Hadamard along the features of a row-side operand (per group)."""
     if not gemm.hadamard:
         return x
-    return _per_row(lambda xr, s: unrotated(xr, gemm, 0, s), x, signs, lay=lay, st=st)
+    return per_row_masked(lambda xr, _, s: unrotated(xr, gemm, 0, s), x, None, signs, lay, st)
 
 
 def unrotate_weights(w, gemm: GemmSpec, signs, axis):
