@@ -163,10 +163,19 @@ class Histogram:
         )
 
     @classmethod
-    def of(cls, x: jax.Array) -> Histogram:
-        """The histogram of ``|x|`` (any shape). Concrete data holding NaN or Inf raise
+    def of(cls, x: jax.Array, where: jax.Array | None = None) -> Histogram:
+        """The histogram of ``|x|`` (any shape); with ``where`` (booleans broadcasting to
+        ``x``), of the values where it is true only. Concrete data holding NaN or Inf raise
         ``ValueError``; under tracing such values are counted in ``nonfinite``."""
-        return _histogram(_as_data(x, "Histogram.of"))
+        x = _as_data(x, "Histogram.of")
+        if where is None:
+            return _histogram(x)
+        try:
+            where = jnp.broadcast_to(jnp.asarray(where, bool), x.shape)
+        except ValueError:
+            raise ValueError(f"Histogram.of: where of shape {jnp.shape(where)} does not "
+                             f"broadcast to x of shape {x.shape}") from None
+        return _histogram(x, where)
 
     def update(self, x: jax.Array) -> Histogram:
         """A new histogram holding this one's values and those of ``x``."""
@@ -211,8 +220,10 @@ class Histogram:
 
 
 @jax.jit
-def _histogram(x: jax.Array) -> Histogram:
+def _histogram(x: jax.Array, where: jax.Array | None = None) -> Histogram:
     a = jnp.abs(x).reshape(-1)
+    if where is not None:  # values outside ``where``: zeros, and not counted
+        a = jnp.where(where.reshape(-1), a, 0.0)
     finite = jnp.isfinite(a)
     a = jnp.where(finite, a, 0.0)
     m = jnp.max(a)
@@ -221,7 +232,8 @@ def _histogram(x: jax.Array) -> Histogram:
     idx = jnp.minimum((a * pow2(-width_exp)).astype(jnp.int32), NUM_BINS - 1)
     # segment_sum rather than .at[idx].add: the same int32 counts, 3x faster on XLA:CPU
     # (measured on 2M values: 3.8 ms against 12.5 ms; bench_calibrate.py).
-    counts = jax.ops.segment_sum(finite.astype(jnp.int32), idx, NUM_BINS)
+    counted = finite if where is None else finite & where.reshape(-1)
+    counts = jax.ops.segment_sum(counted.astype(jnp.int32), idx, NUM_BINS)
     nonfinite = jnp.sum(~finite, dtype=jnp.int32)
     return Histogram(counts=counts, width_exp=width_exp, max=m, nonfinite=nonfinite)
 

@@ -346,3 +346,15 @@ def test_clear_errors():
 
 def test_exported():
     assert lb.calibrate.amax is amax and "calibrate" in lb.__all__
+
+
+def test_histogram_where_counts_only_the_selected_values():
+    x = jax.random.normal(jax.random.key(3), (40, 16)) * 3
+    keep = jnp.arange(40)[:, None] < 25
+    h = Histogram.of(x.at[25:].set(1e30), where=keep)  # unselected: not seen
+    ref = Histogram.of(x[:25])
+    np.testing.assert_array_equal(h.counts, ref.counts)
+    assert float(h.max) == float(ref.max) and int(h.nonfinite) == 0
+    with pytest.raises(ValueError, match=r"Histogram.of: where of shape \(3,\) does not "
+                                         r"broadcast to x of shape \(40, 16\)"):
+        Histogram.of(x, where=jnp.ones(3, bool))

@@ -150,15 +150,32 @@ def test_dropless_one_and_four_devices_give_the_same_losses(tmp_path, corpus):
     np.testing.assert_allclose(b, a, rtol=2e-4)
 
 
-def test_ptq_names_the_grouped_sites_it_does_not_calibrate():
+def test_ptq_of_the_dropless_gpt_serves_its_experts_packed():
+    """Calibrated, sequentially GPTQ'd (each expert from the tokens routed to it) and packed:
+    the served GPT's logits are the fake-quantized GPT's, bit for bit, and closer to the
+    float logits than round-to-nearest's."""
+    import warnings
+
     import lowbit as lb
 
     cfg = GPTConfig(**TINY, mlp="moe", experts=4, top_k=2, moe_impl="dropless")
     model = GPT(cfg, rngs=nnx.Rngs(0))
-    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
-    with pytest.raises(ValueError, match=r"does not calibrate grouped \(ragged_dot\) sites yet: "
-                                         r"\['blocks/0/moe/down', 'blocks/0/moe/up'\]"):
-        lb.ptq.calibrate(model, [(r".*/router|head|embed", None), (".*", "nvfp4")], [tokens])
+    toks = [jax.random.randint(jax.random.key(i), (2, 32), 0, 256) for i in range(3)]
+    rules = [(r".*/router|head|embed", None), (".*", "qat_nvfp4")]
+    cal = lb.ptq.calibrate(model, rules, toks, "percentile", hessians=True)
+    assert sum(cal.group_tokens["blocks/0/moe/up"]) == 3 * 2 * 32 * 2  # every assignment
+    assert cal.hessians["blocks/0/moe/down"].shape == (4, 256, 256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (an expert with no token would warn)
+        gptq = lb.ptq.quantize(model, rules, cal, weights="gptq", sequential=True, batches=toks)
+    rtn = lb.ptq.quantize(model, rules, cal)
+    sim = lb.ptq.simulate(model, rules, cal)
+    np.testing.assert_array_equal(rtn(toks[0])[0], sim(toks[0])[0])
+    up = gptq.params["blocks"][0]["moe"]["up"]["kernel"].get_value()
+    assert isinstance(up, lb.QArray) and up.codes.shape[0] == 4  # one tensor per expert
+    err = {name: sum(float(jnp.mean((m(t)[0] - model(t)[0]) ** 2)) for t in toks)
+           for name, m in (("gptq", gptq), ("rtn", rtn))}
+    assert err["gptq"] < err["rtn"], err
 
 
 def test_autoquant_scores_the_grouped_sites():

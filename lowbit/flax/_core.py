@@ -162,17 +162,20 @@ def _hp_dot(lhs, rhs, dn, out_dtype):
 # --------------------------------------------------------------------------------------------
 # Observation (calibration hooks) and post-training site state
 
-# A callable ``observer(site, lhs, contracting_axes)`` that the ops call with the activation
-# operand of every site they run under a path (see :func:`observing`); None: not observing.
+# A callable ``observer(site, lhs, contracting_axes, group_sizes)`` that the ops call with the
+# activation operand of every site they run under a path (see :func:`observing`); None: not
+# observing.
 _OBSERVER: contextvars.ContextVar = contextvars.ContextVar("lowbit_observer", default=None)
 
 
 @contextlib.contextmanager
 def observing(observer):
     """Within this context every lowbit Flax op that knows its site path (``site=``) calls
-    ``observer(site, lhs, contracting_axes)`` with its activation operand as the GEMM sees
-    it (after a smoothing division), while tracing. ``lowbit.ptq.calibrate`` gathers
-    statistics this way: from the model's own ops, not from a second model."""
+    ``observer(site, lhs, contracting_axes, group_sizes)`` with its activation operand as the
+    GEMM sees it (after a smoothing division), while tracing; ``group_sizes`` is a grouped
+    site's (``lb.ragged_dot``: ``lhs [M, K]``, rows sorted by group, rows past the sum not
+    in any group), None for the others. ``lowbit.ptq.calibrate`` gathers statistics this way:
+    from the model's own ops, not from a second model."""
     token = _OBSERVER.set(observer)
     try:
         yield
@@ -239,10 +242,10 @@ def _substitute(site, gemm, lhs, rhs, recipe, key):
     return hook(site, gemm, lhs, rhs)
 
 
-def _observe(site, lhs, axes) -> None:
+def _observe(site, lhs, axes, group_sizes=None) -> None:
     obs = _OBSERVER.get()
     if obs is not None and site is not None:
-        obs(site, lhs, tuple(int(a) % lhs.ndim for a in axes))
+        obs(site, lhs, tuple(int(a) % lhs.ndim for a in axes), group_sizes)
 
 
 def check_dense(dimension_numbers, lhs_ndim: int, rhs_ndim: int, where: str) -> None:
@@ -407,6 +410,7 @@ def qragged_dot(lhs, rhs, group_sizes, recipe, key, implementation=None, *,
     (its ``operands``: :func:`lowbit.gemm.ragged.ragged_operands`). ``packed``: the experts
     enter pre-quantized and ``recipe`` is the serving form."""
     del packed  # the serving recipe leaves the weight as it is
+    _observe(site, lhs, (1,), group_sizes)
 
     def run(lhs, rhs, recipe, key=None):
         return ragged_dot(lhs, rhs, group_sizes, recipe=recipe, key=key,

@@ -24,9 +24,10 @@ import flax.linen as nn
 import jax
 from flax import nnx as fnnx
 
-from lowbit.core.qarray import QArray, dequantize
+from lowbit.core.qarray import QArray
 from lowbit.flax import _core, linen, nnx
 from lowbit.flax._core import Recipe, Rules, Site, SiteTransform
+from lowbit.flax.packing import unpack
 from lowbit.gemm.implementation import Implementation
 from lowbit.io.tree import is_qarray, keypath_str, path_str
 
@@ -224,6 +225,12 @@ class NnxAdapter(Adapter):
             if e.site.kind == "einsum":
                 op = nnx.Einsum(e.recipe, implementation=implementation, site=e.site.path)
                 plan.append((m, "einsum_op", op, e.kernel))
+            elif e.site.kind == "ragged_dot":
+                if e.transform is not None:
+                    raise ValueError(f"site {e.site.path!r}: a grouped (ragged_dot) site takes "
+                                     "no smoothing, rotation or low-rank branch")
+                op = nnx.RaggedDot(e.recipe, implementation=implementation, site=e.site.path)
+                plan.append((m, "ragged_dot_op", op, e.kernel))
             else:
                 t = e.transform or SiteTransform()
                 op = nnx.DotGeneral(e.recipe, implementation=implementation, site=e.site.path,
@@ -247,7 +254,7 @@ class NnxAdapter(Adapter):
     def simulated_weights(self, weights: dict[str, Any]) -> dict[str, Any]:
         """The weights a serving model built by :meth:`rebuild` holds: NNX ops take them
         dequantized."""
-        return {p: (dequantize(w, jax.numpy.float32) if isinstance(w, QArray) else w)
+        return {p: (unpack(w, jax.numpy.float32) if isinstance(w, QArray) else w)
                 for p, w in weights.items()}
 
     def served(self, b: Bound, sites: list[Site], weights: dict[str, Any]):

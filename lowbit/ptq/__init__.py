@@ -26,6 +26,11 @@ by definition, clips to ``+-amax`` before block quantization (a no-op for ``"max
 calibration data). Attention score / value products (``attn_scores`` / ``attn_values``,
 both operands activations) keep their dynamic scales and are not calibrated.
 
+Grouped sites (``lb.ragged_dot``, an MoE's expert stack: ``lowbit.flax.nnx.GroupedLinear``,
+Linen ``GroupedDense``) are calibrated over the rows in their groups, one static amax per
+stack; GPTQ quantizes each expert from the Hessian of the tokens routed to it, each expert
+packed as its own tensor. Smoothing, SVDQuant and rotations apply to dense sites only.
+
 Models: an NNX module, or a Linen module bound to its variables (``module.bind(variables)``).
 ``forward(model, batch)`` runs the model when that is not simply ``model(batch)``.
 

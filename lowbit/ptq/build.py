@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -15,6 +16,7 @@ from lowbit.bits import leaf_nbytes
 from lowbit.core.qarray import QArray
 from lowbit.flax._core import Layout, Rules, pack_weight, serving_recipe, weight_spec
 from lowbit.flax.adapters import adapter_for
+from lowbit.flax.packing import unpack
 from lowbit.gemm.implementation import resolve
 from lowbit.io.tree import is_qarray, keypath_str
 from lowbit.ptq.calibration import Calibration, observe_batches, site_rules, with_amax
@@ -121,6 +123,8 @@ def _gptq_weight(w, spec, layout: Layout, hessian, path: str, search=False) -> Q
 
 
 def _packed_weight(w, spec, layout: Layout, weights: str, hessian=None, path="") -> QArray:
+    if layout.stacked and weights != "max":
+        return _stacked_weight(w, spec, layout, weights, hessian, path)
     if weights == "max":
         return pack_weight(w, spec, layout)
     if weights in ("gptq", "mr-gptq"):
@@ -128,6 +132,35 @@ def _packed_weight(w, spec, layout: Layout, weights: str, hessian=None, path="")
     two_d = spec.block_shape is not None and len(spec.block_shape) == 2
     axis = (layout.axis, layout.other_axis) if two_d else layout.axis
     return _cal.block_scales(w, spec.format, "mse", axis=axis, block_shape=spec.block_shape)
+
+
+def _stacked_weight(w, spec, layout: Layout, weights: str, hessian, path: str) -> QArray:
+    """A stacked (grouped) weight ``[G, ...]``, each expert quantized as its own tensor (its
+    own NVFP4 tensor scale, as ``lb.ragged_dot`` takes it) by ``weights``; GPTQ from the
+    expert's own Hessian ``hessian[g]`` (the tokens routed to it). An expert that got no
+    calibration token has a zero Hessian, which would zero its weight (GPTQ's dead inputs):
+    it is rounded to nearest with the standard scales instead, with a warning."""
+    if weights in ("gptq", "mr-gptq") and hessian is None:
+        raise ValueError(f"quantize: site {path!r} has no recorded Hessian: weights='gptq' "
+                         "needs ptq.calibrate(..., hessians=True)")
+    if hessian is not None and np.shape(hessian)[0] != w.shape[0]:
+        raise ValueError(f"quantize: site {path!r} holds {w.shape[0]} experts, its Hessian "
+                         f"{np.shape(hessian)} (a calibration of another model?)")
+    one = Layout(layout.axis - 1, None if layout.other_axis is None else layout.other_axis - 1)
+    w = jnp.asarray(w)
+    out, idle = [], []
+    for g in range(w.shape[0]):
+        h = None if hessian is None else hessian[g]
+        if weights in ("gptq", "mr-gptq") and not np.any(np.diagonal(np.asarray(h))):
+            idle.append(g)
+            out.append(pack_weight(w[g], spec, one))
+        else:
+            out.append(_packed_weight(w[g], spec, one, weights, h, f"{path}[{g}]"))
+    if idle:
+        warnings.warn(f"quantize: site {path!r}: experts {idle} got no calibration token; "
+                      f"their weights are rounded to nearest (weights={weights!r} needs the "
+                      "tokens routed to an expert)", stacklevel=4)
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *out)
 
 
 def _weights(m, sites, rules, smoothing, weights, hessians=None) -> dict[str, Any]:
@@ -228,7 +261,7 @@ def _sequential_weights(m, sites, rules, smoothing, weights, hessians, batches, 
         h = {site.path: stats[site.path]["hess"]}
         w = _weights(m, [site], rules, smoothing, weights, h)[site.path]
         out[site.path] = w
-        held[site.path] = w.dequantize(jnp.float32) if isinstance(w, QArray) else w
+        held[site.path] = unpack(w, jnp.float32) if isinstance(w, QArray) else w
     return out
 
 

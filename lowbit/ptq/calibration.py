@@ -47,7 +47,12 @@ class Calibration:
       samples: site path -> float32 ``[rows, K]``, the first activation rows seen (kept by
         ``calibrate(..., "mse")`` only, for ``"mse"``; not serialised).
       hessians: site path -> float32 ``[K, K]``, ``sum x^T x`` of the site's activation over
-        every calibration token (``calibrate(..., hessians=True)`` only; not serialised).
+        every calibration token (``calibrate(..., hessians=True)`` only; not serialised); a
+        grouped site's (``lb.ragged_dot``, the experts of an MoE): ``[G, K, K]``, each
+        group's over the tokens routed to it.
+      group_tokens: grouped site path -> the calibration tokens each group (expert) got; a
+        group with none has no Hessian (GPTQ falls back to round-to-nearest for it) and its
+        activation statistics are the other groups'.
       rotations: site path -> the block of the Hadamard rotation the activation had when it
         was calibrated (``calibrate(..., smoothing=ptq.rotation(...))``); its statistics and
         Hessian are the rotated activation's.
@@ -65,6 +70,7 @@ class Calibration:
     hessians: dict[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
     rotations: dict[str, int] = dataclasses.field(default_factory=dict)
     model: str = ""
+    group_tokens: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def with_method(self, method: str, *, percentile: float | None = None) -> Calibration:
         """The same statistics with amaxes chosen by another method (``"mse"`` needs the
@@ -91,6 +97,7 @@ class Calibration:
             "formats": dict(self.formats),
             "weights": {k: list(v) for k, v in self.weights.items()},
             "rotations": dict(self.rotations),
+            "group_tokens": {k: [int(n) for n in v] for k, v in self.group_tokens.items()},
             "channel_amax": {k: np.asarray(v, np.float32).tolist()
                              for k, v in self.channel_amax.items()},
             "histograms": {
@@ -126,6 +133,8 @@ class Calibration:
             channel_amax={k: np.asarray(v, np.float32)
                           for k, v in d.get("channel_amax", {}).items()},
             model=d.get("model", ""),
+            group_tokens={k: tuple(int(n) for n in v)
+                          for k, v in d.get("group_tokens", {}).items()},
         )
 
     def save(self, path: str | os.PathLike) -> pathlib.Path:
@@ -155,32 +164,56 @@ def _site_amax(cal: Calibration, site: str, method: str, percentile: float) -> f
     return float(_cal.amax(cal.histograms[site], method, format=fmt, percentile=percentile))
 
 
-def _stats_of(lhs, axes: tuple[int, ...], max_rows: int, hessians: bool = False) -> dict:
+def _stats_of(lhs, axes: tuple[int, ...], max_rows: int, hessians: bool = False,
+              group_sizes=None) -> dict:
     """One call's statistics of a site's activation ``lhs`` contracted over ``axes``; with
-    ``hessians``, also ``x^T x`` over the call's tokens (float32 products, float32 sums)."""
+    ``hessians``, also ``x^T x`` over the call's tokens (float32 products, float32 sums).
+    A grouped site (``group_sizes``, ``lhs [M, K]`` with rows sorted by group): the rows in
+    a group only, a Hessian per group ``[G, K, K]`` and the rows each group got."""
     x = jnp.moveaxis(lhs, axes, tuple(range(lhs.ndim - len(axes), lhs.ndim)))
     k = math.prod(x.shape[lhs.ndim - len(axes):])
     x = x.reshape(-1, k).astype(jnp.float32)
+    if group_sizes is None:
+        out = {"hist": _cal.Histogram.of(x), "chan": jnp.max(jnp.abs(x), axis=0),
+               "rows": x[:max_rows]}
+        if hessians:
+            out["hess"] = jnp.dot(x.T, x, precision=jax.lax.Precision.HIGHEST)
+        return out
+    sizes = jnp.maximum(jnp.asarray(group_sizes, jnp.int32), 0)
+    ends = jnp.cumsum(sizes)
+    group = jnp.searchsorted(ends, jnp.arange(x.shape[0], dtype=jnp.int32), side="right")
+    valid = (group < sizes.shape[0])[:, None]  # rows past the groups' sum are in none
     out = {
-        "hist": _cal.Histogram.of(x),
-        "chan": jnp.max(jnp.abs(x), axis=0),
-        "rows": x[:max_rows],
+        "hist": _cal.Histogram.of(x, where=valid),
+        "chan": jnp.max(jnp.where(valid, jnp.abs(x), 0.0), axis=0),
+        "rows": x[:max_rows],  # the valid rows come first; trimmed to "valid" on the host
+        "valid": jnp.minimum(ends[-1], x.shape[0]),
+        "tokens": sizes,
     }
     if hessians:
-        out["hess"] = jnp.dot(x.T, x, precision=jax.lax.Precision.HIGHEST)
+        def one(g):
+            xg = jnp.where((group == g)[:, None], x, 0.0)
+            return jnp.dot(xg.T, xg, precision=jax.lax.Precision.HIGHEST)
+
+        out["hess"] = jax.lax.map(one, jnp.arange(sizes.shape[0], dtype=jnp.int32))
     return out
 
 
 def _merge_stats(a: dict | None, b: dict, max_rows: int) -> dict:
     hb = None if "hess" not in b else np.asarray(b["hess"], np.float64)
+    rows_b = np.asarray(b["rows"])
+    if "valid" in b:
+        rows_b = rows_b[: int(b["valid"])]
     if a is None:
-        out = {"hist": b["hist"], "chan": np.asarray(b["chan"]), "rows": np.asarray(b["rows"])}
+        out = {"hist": b["hist"], "chan": np.asarray(b["chan"]), "rows": rows_b}
         if hb is not None:
             out["hess"] = hb
+        if "tokens" in b:
+            out["tokens"] = np.asarray(b["tokens"], np.int64)
         return out
     rows = a["rows"]
     if rows.shape[0] < max_rows:
-        rows = np.concatenate([rows, np.asarray(b["rows"])[: max_rows - rows.shape[0]]])
+        rows = np.concatenate([rows, rows_b[: max_rows - rows.shape[0]]])
     out = {
         "hist": a["hist"].merge(b["hist"]),
         "chan": np.maximum(a["chan"], np.asarray(b["chan"])),
@@ -188,6 +221,8 @@ def _merge_stats(a: dict | None, b: dict, max_rows: int) -> dict:
     }
     if hb is not None:  # batches' (and calls') sums accumulate in float64 on the host
         out["hess"] = a["hess"] + hb
+    if "tokens" in b:
+        out["tokens"] = a["tokens"] + np.asarray(b["tokens"], np.int64)
     return out
 
 
@@ -241,9 +276,10 @@ def collect(fn, wanted: frozenset, max_rows: int, hessians: bool = False) -> dic
     keys sort in the order the forward reaches the sites; a site called twice has two)."""
     rec: dict[str, dict] = {}
 
-    def obs(site, lhs, axes):
+    def obs(site, lhs, axes, group_sizes=None):
         if site in wanted:
-            rec[f"{len(rec):06d}|{site}"] = _stats_of(lhs, axes, max_rows, hessians)
+            rec[f"{len(rec):06d}|{site}"] = _stats_of(lhs, axes, max_rows, hessians,
+                                                      group_sizes)
 
     with observing(obs):
         fn()
@@ -304,6 +340,14 @@ def calibrate(
         (``quantize(..., weights="gptq")``). Under a sharded mesh the site sees the global
         activation, so the sum is over every device's tokens.
 
+    Grouped sites (``lb.ragged_dot``: an MoE's experts) get one static amax over the tokens
+    of every group, as ModelOpt syncs its experts' input amaxes after calibration
+    (NVIDIA/Model-Optimizer @ a2fbac7b, ``modelopt/torch/quantization/model_calib.py``
+    366-368 calling ``layer_sync_moe_local_experts_amax``, ``plugins/huggingface.py``
+    738-750): one input scale per expert stack, which fused-MoE kernels take. Rows past the
+    groups' sum are in no group and not seen; each group's Hessian is its own tokens', and
+    :attr:`Calibration.group_tokens` says how many each got.
+
     Raises ``ValueError`` naming the problem: no batches, a rule that reaches no site, a site
     never reached, NaN or Inf in a site's activations, an unknown method.
     """
@@ -332,6 +376,8 @@ def calibrate(
         rotations={} if smoothing is None else {
             p: int(np.shape(v)[0]) for p, v in smoothing.rotations.items()},
         model=m.name,
+        group_tokens={s.path: tuple(int(n) for n in stats[s.path]["tokens"]) for s in sites
+                      if "tokens" in stats[s.path]},
     )
     return base.with_method(method, percentile=percentile)
 
