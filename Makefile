@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo format-demo test test-slow bench gpu-aot lint clean
+.PHONY: venv demo format-demo test test-slow test-interop bench gpu-aot lint clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,14 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	LOWBIT_TEST_XLA_OPT=full $(PY) -m pytest -q -m slow
+
+# The interop group: lowbit's imports and exports checked by transformers' PyTorch models, the
+# compressed-tensors package and llama.cpp itself (llama-cpp-python, built from source: about
+# 10 minutes on 2 cores); CPU torch 2.13.0 first, from this machine's disk.
+test-interop: $(STAMP)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[interop]"
+	$(PY) -m pytest -q -m interop
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"

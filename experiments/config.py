@@ -32,7 +32,7 @@ from experiments import data as data_lib
 from experiments import vision
 from experiments.configlib import ConfigError, to_dataclass, to_plain
 from experiments.families import DEFAULT_FAMILY, FAMILIES, Family
-from experiments.model import GPTConfig
+from experiments.model import LLAMA_FIELDS, GPTConfig
 from lowbit import autoquant
 from lowbit.gemm.implementation import validate
 
@@ -295,6 +295,10 @@ class RunConfig:
     init_from: str = ""
     # The model family, a key of FAMILIES: which model, data, loss and metrics.
     family: str = DEFAULT_FAMILY
+    # A Hugging Face directory of a Llama-family checkpoint (experiments.hf) this run starts
+    # from ("" = none): its config.json replaces the model section (model.dtype kept), its
+    # weights the random init; stored resolved to an absolute path.
+    init_from_hf: str = ""
 
     @classmethod
     def from_config(cls, c) -> RunConfig:
@@ -303,7 +307,7 @@ class RunConfig:
         saved = isinstance(c, dict)  # a run's config.json keeps the name it was written under
         c = to_plain(c)
         known = {"name", "model", "data", "train", "quant", "mesh", "seed", "workdir"}
-        known |= {"init_from", "family"}
+        known |= {"init_from", "family", "init_from_hf"}
         unknown = sorted(set(c) - known)
         if unknown:
             raise ConfigError(f"config: unknown key(s) {unknown}; expected {sorted(known)}")
@@ -314,9 +318,11 @@ class RunConfig:
         model = dict(c.get("model", {}))
         if model.get("dtype", "float32") == "auto":
             model["dtype"] = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        hf_dir = c.get("init_from_hf") or ""
         cfg = cls(
             name=str(c.get("name", "run")),
-            model=to_dataclass(fam.model_config, model, "model"),
+            model=(_hf_model(hf_dir, family, model.get("dtype", "float32")) if hf_dir
+                   else to_dataclass(fam.model_config, model, "model")),
             data=to_dataclass(fam.data_config, c.get("data"), "data"),
             train=to_dataclass(TrainConfig, c.get("train"), "train"),
             quant=to_dataclass(QuantConfig, c.get("quant"), "quant"),
@@ -325,6 +331,7 @@ class RunConfig:
             workdir=str(c.get("workdir", "runs")),
             init_from=c.get("init_from") or "",
             family=family,
+            init_from_hf=hf_dir,
         )
         return cfg if saved else _named_for_plan(cfg)
 
@@ -345,6 +352,12 @@ class RunConfig:
             )
         if self.init_from:  # resolved once, so config.json and --resume compare one path
             object.__setattr__(self, "init_from", str(Path(self.init_from).expanduser().resolve()))
+        if self.init_from_hf:
+            if self.init_from or self.train.distill_from:
+                raise ConfigError("config.init_from_hf with init_from or train.distill_from: a "
+                                  "run starts from one checkpoint")
+            object.__setattr__(self, "init_from_hf",
+                               str(Path(self.init_from_hf).expanduser().resolve()))
         if self.train.distill_from:  # QAD: the teacher is the checkpoint the student starts from
             teacher = str(Path(self.train.distill_from).expanduser().resolve())
             object.__setattr__(self, "train",
@@ -366,6 +379,28 @@ class RunConfig:
 
     def to_json(self) -> dict:
         return to_plain(self)
+
+
+def _hf_model(path, family: str, dtype: str) -> GPTConfig:
+    """The model section of a run that starts from the Hugging Face checkpoint ``path``."""
+    from experiments import hf
+
+    if family != "gpt":
+        raise ConfigError(f"config.init_from_hf: family {family!r}; Hugging Face checkpoints "
+                          "load into the gpt family")
+    cfg_file = Path(path).expanduser() / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"config.init_from_hf={str(path)!r}: no config.json there (expected a "
+                          "Hugging Face model directory: config.json and model.safetensors)")
+    try:
+        model = hf.gpt_config(json.loads(cfg_file.read_text()), dtype=dtype,
+                              where=f"config.init_from_hf: {cfg_file}")
+    except hf.UnsupportedCheckpoint as e:
+        raise ConfigError(str(e)) from None
+    if model.vocab < data_lib.VOCAB_SIZE:
+        raise ConfigError(f"config.init_from_hf: the checkpoint's vocab_size={model.vocab} is "
+                          f"below the byte data's {data_lib.VOCAB_SIZE} token ids")
+    return model
 
 
 def check_hadamard_fits(cfg: RunConfig) -> None:
@@ -396,6 +431,7 @@ RESUMABLE = {("train", "stop_at"), ("train", "progress"), ("train", "keep_checkp
 # effect (config_diff reads a missing key as this instead of None).
 ADDED = {
     ("init_from",): "",
+    ("init_from_hf",): "",
     ("family",): DEFAULT_FAMILY,
     ("quant", "recipe_version"): 1,
     ("train", "distill_from"): "",
@@ -404,6 +440,8 @@ ADDED = {
     ("train", "extended_from"): [],
     **{("quant", f.name): f.default for f in dataclasses.fields(QuantConfig)
        if f.name.startswith(("osci_", "out_control", "switch_"))},
+    **{("model", f.name): f.default for f in dataclasses.fields(GPTConfig)
+       if f.name in LLAMA_FIELDS},
 }
 # Model fields an init_from run may change: they do not change the parameters.
 INIT_FROM_FREE = {"dtype"}

@@ -3,7 +3,11 @@
 Pre-norm blocks (RMSNorm), causal multi-head self-attention with rotary (RoPE, rotate-half)
 or learned positions, a dense GELU MLP or a token-choice top-k mixture of experts (with
 capacity, GShard / Switch, or dropless over a grouped GEMM: ``moe_impl``), a final norm and
-an LM head (tied to the embedding or not).
+an LM head (tied to the embedding or not). The same GPT is the Llama family's (Llama,
+Mistral, Qwen2, Qwen3, whose Hugging Face checkpoints :mod:`experiments.hf` loads): a SwiGLU
+MLP (``mlp_act``), grouped-query attention (``kv_heads``), a head width of its own
+(``head_size``), q/k/v biases, q/k norms, a sliding window, the RMSNorm epsilon and RoPE's
+``linear`` and ``llama3`` scalings are config fields whose defaults keep the GPT as it was.
 
 Every GEMM with a weight is an ``nnx.Linear`` or, for the expert weights, an ``nnx.Einsum``
 (capacity) or a ``lowbit.flax.nnx.GroupedLinear`` (dropless), so that
@@ -12,8 +16,10 @@ Every GEMM with a weight is an ``nnx.Linear`` or, for the expert weights, an ``n
 ================================  ======================================================
 ``embed``, ``pos_embed``          ``nnx.Embed`` (``pos_embed``: learned positions only)
 ``blocks/<i>/norm1``, ``norm2``   ``nnx.RMSNorm`` before attention / before the MLP
-``blocks/<i>/attn/qkv``, ``out``  fused ``d -> 3d`` projection, output projection
-``blocks/<i>/mlp/up``, ``down``   dense MLP ``d -> ratio d -> d``
+``blocks/<i>/attn/qkv``, ``out``  fused q/k/v projection (``d -> 3d``; grouped-query:
+                                  ``d -> (heads + 2 kv_heads) head_dim``), output projection
+``blocks/<i>/attn/q_norm``, ...   per-head RMSNorms of q and k (``qk_norm``, Qwen3)
+``blocks/<i>/mlp/up``, ``down``   dense MLP ``d -> ffn -> d`` (``gate`` too: SwiGLU)
 ``blocks/<i>/moe/router``         ``nnx.Linear`` ``d -> experts``, computed in float32
 ``blocks/<i>/moe/up``, ``down``   kernels ``[E, d, f]`` and ``[E, f, d]`` (Einsum / Grouped)
 ``norm_f``, ``head``              final norm; LM head (untied only)
@@ -52,11 +58,18 @@ __all__ = [
     "route",
     "route_dropless",
     "rope",
+    "rope_frequencies",
 ]
 
 POSITIONS = ("rope", "learned")
 MLPS = ("dense", "moe")
 MOE_IMPLS = ("capacity", "dropless")
+MLP_ACTS = ("gelu", "swiglu")
+# GPTConfig's Llama-family fields (added 2026-12-05; runs written before have their defaults)
+LLAMA_FIELDS = ("mlp_act", "ffn_dim", "kv_heads", "head_size", "qkv_bias", "qk_norm",
+                "norm_eps", "sliding_window", "rope_scaling", "rope_factor", "rope_low_freq",
+                "rope_high_freq", "rope_original_len")
+ROPE_SCALINGS = ("none", "linear", "llama3")
 DTYPES = ("float32", "bfloat16")
 INIT_STD = 0.02
 
@@ -82,6 +95,20 @@ class GPTConfig:
     moe_impl: str = "capacity"  # "capacity" (expert buffers, drops) | "dropless" (ragged_dot)
     dtype: str = "float32"  # compute dtype: "float32" | "bfloat16" (parameters: float32)
     rope_base: float = 10000.0
+    # The Llama family (Llama, Mistral, Qwen2, Qwen3; experiments.hf loads their checkpoints):
+    mlp_act: str = "gelu"  # dense MLP: "gelu" (up, down) | "swiglu" (gate, up, down)
+    ffn_dim: int = 0  # the MLP's hidden width; 0: mlp_ratio * d_model
+    kv_heads: int = 0  # grouped-query attention's key/value heads; 0: heads (multi-head)
+    head_size: int = 0  # per-head width; 0: d_model // heads (Qwen3 sets its own)
+    qkv_bias: bool = False  # biases on the q/k/v projection (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3)
+    norm_eps: float = 1e-6  # every RMSNorm's epsilon
+    sliding_window: int = 0  # attend to the last this-many positions only (Mistral); 0: all
+    rope_scaling: str = "none"  # "none" | "linear" | "llama3" (Llama 3.1's frequency bands)
+    rope_factor: float = 1.0  # linear / llama3: the context extension factor
+    rope_low_freq: float = 1.0  # llama3: low_freq_factor
+    rope_high_freq: float = 4.0  # llama3: high_freq_factor
+    rope_original_len: int = 8192  # llama3: original_max_position_embeddings
 
     def __post_init__(self):
         ints = ("vocab", "d_model", "layers", "heads", "mlp_ratio", "seq_len", "experts")
@@ -89,8 +116,9 @@ class GPTConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if self.d_model % self.heads:
-            raise ValueError(f"d_model={self.d_model} must be a multiple of heads={self.heads}")
+        if self.d_model % self.heads and not self.head_size:
+            raise ValueError(f"d_model={self.d_model} must be a multiple of heads={self.heads} "
+                             "(or set head_size)")
         if self.positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {self.positions!r}")
         if self.mlp not in MLPS:
@@ -105,20 +133,47 @@ class GPTConfig:
             raise ValueError(f"capacity_factor must be positive, got {self.capacity_factor!r}")
         if not self.moe_aux_weight >= 0:
             raise ValueError(f"moe_aux_weight must be >= 0, got {self.moe_aux_weight!r}")
-        if self.positions == "rope" and self.head_dim % 2:
-            raise ValueError(
-                f"positions='rope' needs an even head dim, got d_model / heads = {self.head_dim}"
-            )
         if not self.rope_base > 0:
             raise ValueError(f"rope_base must be positive, got {self.rope_base!r}")
+        self._check_llama()
+
+    def _check_llama(self):
+        for name in ("ffn_dim", "kv_heads", "head_size", "sliding_window"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0 (0: the default), got {v!r}")
+        if self.mlp_act not in MLP_ACTS:
+            raise ValueError(f"mlp_act must be one of {MLP_ACTS}, got {self.mlp_act!r}")
+        if self.mlp_act != "gelu" and self.mlp == "moe":
+            raise ValueError(f"mlp_act={self.mlp_act!r} is for the dense MLP; the MoE experts "
+                             "are GELU MLPs")
+        if self.heads % self.n_kv_heads:
+            raise ValueError(f"heads={self.heads} must be a multiple of kv_heads="
+                             f"{self.n_kv_heads}")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"rope_scaling must be one of {ROPE_SCALINGS}, got "
+                             f"{self.rope_scaling!r}")
+        if not (self.rope_factor >= 1 and self.norm_eps > 0 and self.rope_original_len >= 1
+                and self.rope_high_freq > self.rope_low_freq > 0):
+            raise ValueError(
+                f"need rope_factor >= 1, norm_eps > 0, rope_original_len >= 1 and "
+                f"rope_high_freq > rope_low_freq > 0; got {self.rope_factor!r}, "
+                f"{self.norm_eps!r}, {self.rope_original_len!r}, {self.rope_high_freq!r}, "
+                f"{self.rope_low_freq!r}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"positions='rope' needs an even head dim, got {self.head_dim}")
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.heads
+        return self.head_size or self.d_model // self.heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
 
     @property
     def d_ff(self) -> int:
-        return self.mlp_ratio * self.d_model
+        return self.ffn_dim or self.mlp_ratio * self.d_model
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -132,8 +187,10 @@ def n_params(cfg: GPTConfig) -> int:
     131392
     """
     d, f, e = cfg.d_model, cfg.d_ff, cfg.experts
-    mlp = e * d + 2 * e * d * f if cfg.mlp == "moe" else 2 * d * f
-    block = 2 * d + 4 * d * d + mlp  # two norms, qkv, out, MLP
+    mlp = e * d + 2 * e * d * f if cfg.mlp == "moe" else (2 + (cfg.mlp_act == "swiglu")) * d * f
+    q, kv = cfg.heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    attn = (d + cfg.qkv_bias) * (q + 2 * kv) + q * d + 2 * cfg.qk_norm * cfg.head_dim
+    block = 2 * d + attn + mlp  # two norms, qkv (+ bias, q/k norms), out, MLP
     total = cfg.vocab * d + cfg.layers * block + d  # embed, blocks, norm_f
     if cfg.positions == "learned":
         total += cfg.seq_len * d
@@ -171,20 +228,54 @@ def _normal(std: float):
     return nnx.initializers.normal(stddev=std)
 
 
-def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, *, std: float = INIT_STD, dtype=None):
-    return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, kernel_init=_normal(std), rngs=rngs)
+def _linear(d_in: int, d_out: int, rngs: nnx.Rngs, *, std: float = INIT_STD, dtype=None,
+            bias: bool = False):
+    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, kernel_init=_normal(std),
+                      rngs=rngs)
 
 
-def rope(x_BTHK: jax.Array, positions_T: jax.Array, base: float) -> jax.Array:
+def rope_frequencies(cfg: GPTConfig) -> np.ndarray:
+    """RoPE's angular frequencies ``[head_dim / 2]`` (float32): ``base^(-2i/K)``, scaled by
+    ``cfg.rope_scaling``: ``"linear"`` divides them by ``rope_factor``; ``"llama3"`` (Llama
+    3.1) divides the low-frequency band (wavelengths above ``rope_original_len /
+    rope_low_freq``) by ``rope_factor``, keeps the high-frequency band (wavelengths below
+    ``rope_original_len / rope_high_freq``) and interpolates between them, as transformers'
+    ``_compute_llama3_parameters`` does (huggingface/transformers,
+    ``src/transformers/modeling_rope_utils.py``).
+
+    >>> rope_frequencies(GPTConfig(d_model=8, heads=1)).tolist()
+    [1.0, 0.10000000149011612, 0.009999999776482582, 0.0010000000474974513]
+    """
+    k = cfg.head_dim
+    inv = (1.0 / cfg.rope_base ** (np.arange(0, k, 2, dtype=np.float64) / k))
+    if cfg.rope_scaling == "linear":
+        inv = inv / cfg.rope_factor
+    elif cfg.rope_scaling == "llama3":
+        wavelen = 2 * np.pi / inv
+        low_wavelen = cfg.rope_original_len / cfg.rope_low_freq
+        high_wavelen = cfg.rope_original_len / cfg.rope_high_freq
+        scaled = np.where(wavelen > low_wavelen, inv / cfg.rope_factor, inv)
+        smooth = ((cfg.rope_original_len / wavelen - cfg.rope_low_freq)
+                  / (cfg.rope_high_freq - cfg.rope_low_freq))
+        mid = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, mid, scaled)
+    return inv.astype(np.float32)
+
+
+def rope(x_BTHK: jax.Array, positions_T: jax.Array, base: float, freqs_F=None) -> jax.Array:
     """Rotary position embedding (rotate-half): feature pairs ``(i, i + K/2)`` rotated by the
-    angle ``position * base^(-2i/K)``; computed in float32, returned in ``x``'s dtype.
+    angle ``position * base^(-2i/K)`` (or ``position * freqs_F[i]``,
+    :func:`rope_frequencies`); computed in float32, returned in ``x``'s dtype.
 
     >>> x = jnp.ones((1, 3, 1, 4))
     >>> bool(jnp.all(rope(x, jnp.zeros(3), 1e4) == x))
     True
     """
     k = x_BTHK.shape[-1]
-    freqs_F = base ** (-jnp.arange(0, k, 2, dtype=jnp.float32) / k)
+    if freqs_F is None:
+        freqs_F = base ** (-jnp.arange(0, k, 2, dtype=jnp.float32) / k)
+    freqs_F = jnp.asarray(freqs_F, jnp.float32)
     angles_TF = positions_T.astype(jnp.float32)[:, None] * freqs_F[None, :]
     cos_TK = jnp.concatenate([jnp.cos(angles_TF)] * 2, axis=-1)[None, :, None, :]
     sin_TK = jnp.concatenate([jnp.sin(angles_TF)] * 2, axis=-1)[None, :, None, :]
@@ -195,12 +286,16 @@ def rope(x_BTHK: jax.Array, positions_T: jax.Array, base: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Multi-head self-attention: fused ``qkv`` projection, ``out`` projection; causal with
-    RoPE (``cfg.positions == "rope"``) for the GPT. The ViT's (:mod:`experiments.vision`) is
-    bidirectional (``causal=False``, no RoPE) and runs its projections on ``[B * T, D]``
-    activations (``flat=True``: a weight gradient contracts every token of the batch).
-    ``cfg``: any config with ``d_model``, ``heads``, ``head_dim``, ``layers`` and
-    ``compute_dtype`` (and ``positions``, ``rope_base`` when causal)."""
+    """Self-attention: fused ``qkv`` projection (query heads, then key heads, then value heads,
+    each ``head_dim`` wide), ``out`` projection; causal with RoPE (``cfg.positions ==
+    "rope"``) for the GPT, with grouped-query heads (``kv_heads``: query head ``i`` reads
+    key/value head ``i // (heads / kv_heads)``), optional q/k/v biases, per-head q/k RMSNorms
+    (``q_norm``, ``k_norm``: Qwen3's, before RoPE) and a sliding window (Mistral's). The ViT's
+    (:mod:`experiments.vision`) is bidirectional (``causal=False``, no RoPE) and runs its
+    projections on ``[B * T, D]`` activations (``flat=True``: a weight gradient contracts
+    every token of the batch). ``cfg``: any config with ``d_model``, ``heads``,
+    ``head_dim``, ``layers`` and ``compute_dtype`` (and ``positions``, ``rope_base`` when
+    causal; the Llama-family fields of :class:`GPTConfig` where it has them)."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, causal: bool = True, flat: bool = False):
         d, dt = cfg.d_model, cfg.compute_dtype
@@ -208,24 +303,42 @@ class Attention(nnx.Module):
         self.causal = causal
         self.flat = flat
         self.rope = causal and cfg.positions == "rope"
-        self.qkv = _linear(d, 3 * d, rngs, dtype=dt)
-        self.out = _linear(d, d, rngs, std=INIT_STD / math.sqrt(2 * cfg.layers), dtype=dt)
+        self.kv_heads = getattr(cfg, "n_kv_heads", cfg.heads)
+        self.window = getattr(cfg, "sliding_window", 0)
+        hd, q = cfg.head_dim, cfg.heads * cfg.head_dim
+        scaled = self.rope and getattr(cfg, "rope_scaling", "none") != "none"
+        self.freqs = tuple(rope_frequencies(cfg).tolist()) if scaled else None  # static
+        self.qkv = _linear(d, q + 2 * self.kv_heads * hd, rngs, dtype=dt,
+                           bias=getattr(cfg, "qkv_bias", False))
+        self.out = _linear(q, d, rngs, std=INIT_STD / math.sqrt(2 * cfg.layers), dtype=dt)
+        if getattr(cfg, "qk_norm", False):
+            eps = cfg.norm_eps
+            self.q_norm = nnx.RMSNorm(hd, epsilon=eps, dtype=dt, rngs=rngs)
+            self.k_norm = nnx.RMSNorm(hd, epsilon=eps, dtype=dt, rngs=rngs)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         cfg = self.cfg
         b, t, d = x_BTD.shape
-        h, k = cfg.heads, cfg.head_dim
-        qkv_BT3HK = _flat_apply(self.qkv, x_BTD, self.flat).reshape(b, t, 3, h, k)
-        q_BTHK, k_BTHK, v_BTHK = (qkv_BT3HK[:, :, i] for i in range(3))
+        h, kv, k = cfg.heads, self.kv_heads, cfg.head_dim
+        qkv_BTF = _flat_apply(self.qkv, x_BTD, self.flat)
+        q_BTHK = qkv_BTF[..., : h * k].reshape(b, t, h, k)
+        k_BTGK = qkv_BTF[..., h * k : (h + kv) * k].reshape(b, t, kv, k)
+        v_BTGK = qkv_BTF[..., (h + kv) * k :].reshape(b, t, kv, k)
+        if hasattr(self, "q_norm"):
+            q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         if self.rope:
             pos_T = jnp.arange(t)
-            q_BTHK = rope(q_BTHK, pos_T, cfg.rope_base)
-            k_BTHK = rope(k_BTHK, pos_T, cfg.rope_base)
+            q_BTHK = rope(q_BTHK, pos_T, cfg.rope_base, self.freqs)
+            k_BTGK = rope(k_BTGK, pos_T, cfg.rope_base, self.freqs)
+        k_BTHK = jnp.repeat(k_BTGK, h // kv, axis=2) if kv != h else k_BTGK
+        v_BTHK = jnp.repeat(v_BTGK, h // kv, axis=2) if kv != h else v_BTGK
         scores_BHTS = jnp.einsum(
             "bthk,bshk->bhts", q_BTHK, k_BTHK, preferred_element_type=jnp.float32
         ) / np.float32(math.sqrt(k))
         if self.causal:
             causal_TS = jnp.tril(jnp.ones((t, t), dtype=bool))
+            if self.window:
+                causal_TS = causal_TS & ~jnp.tril(causal_TS, -self.window)
             scores_BHTS = jnp.where(causal_TS[None, None], scores_BHTS, jnp.finfo(jnp.float32).min)
         probs_BHTS = jax.nn.softmax(scores_BHTS, axis=-1)
         y_BTHK = jnp.einsum(
@@ -234,24 +347,31 @@ class Attention(nnx.Module):
             v_BTHK,
             preferred_element_type=jnp.float32,
         ).astype(x_BTD.dtype)
-        return _flat_apply(self.out, y_BTHK.reshape(b, t, d), self.flat)
+        return _flat_apply(self.out, y_BTHK.reshape(b, t, h * k), self.flat)
 
 
 class MLP(nnx.Module):
-    """Dense GELU MLP: ``up`` (d -> ratio d), GELU, ``down``; ``flat``: on ``[B * T, D]``
-    activations (the ViT's, see :class:`Attention`)."""
+    """Dense MLP: ``up`` (d -> ffn), GELU, ``down``; or, with ``mlp_act="swiglu"`` (the Llama
+    family's), ``down(silu(gate(x)) * up(x))``. ``flat``: on ``[B * T, D]`` activations (the
+    ViT's, see :class:`Attention`)."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, flat: bool = False):
         d, f, dt = cfg.d_model, cfg.d_ff, cfg.compute_dtype
         self.flat = flat
+        if getattr(cfg, "mlp_act", "gelu") == "swiglu":
+            self.gate = _linear(d, f, rngs, dtype=dt)
         self.up = _linear(d, f, rngs, dtype=dt)
         self.down = _linear(f, d, rngs, std=INIT_STD / math.sqrt(2 * cfg.layers), dtype=dt)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        if not self.flat:
-            return self.down(nnx.gelu(self.up(x_BTD)))
         b, t, d = x_BTD.shape
-        return self.down(nnx.gelu(self.up(x_BTD.reshape(b * t, d)))).reshape(b, t, d)
+        x = x_BTD.reshape(b * t, d) if self.flat else x_BTD
+        if hasattr(self, "gate"):
+            h = nnx.silu(self.gate(x)) * self.up(x)
+        else:
+            h = nnx.gelu(self.up(x))
+        y = self.down(h)
+        return y.reshape(b, t, d) if self.flat else y
 
 
 def _flat_apply(linear: nnx.Linear, x_BTD: jax.Array, flat: bool) -> jax.Array:
@@ -388,9 +508,9 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         d, dt = cfg.d_model, cfg.compute_dtype
-        self.norm1 = nnx.RMSNorm(d, dtype=dt, rngs=rngs)
+        self.norm1 = nnx.RMSNorm(d, epsilon=cfg.norm_eps, dtype=dt, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
-        self.norm2 = nnx.RMSNorm(d, dtype=dt, rngs=rngs)
+        self.norm2 = nnx.RMSNorm(d, epsilon=cfg.norm_eps, dtype=dt, rngs=rngs)
         if cfg.mlp == "moe":
             self.moe = MoE(cfg, rngs=rngs)
         else:
@@ -426,7 +546,7 @@ class GPT(nnx.Module):
         if cfg.positions == "learned":
             self.pos_embed = nnx.Embed(cfg.seq_len, d, embedding_init=_normal(INIT_STD), rngs=rngs)
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
-        self.norm_f = nnx.RMSNorm(d, dtype=cfg.compute_dtype, rngs=rngs)
+        self.norm_f = nnx.RMSNorm(d, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = _linear(d, cfg.vocab, rngs, dtype=jnp.float32)
 

@@ -28,6 +28,7 @@ both), the quantization recipe may differ. ``init_from`` is recorded (as an abso
 config.json and is part of the config a ``--resume`` must match; a resumed run continues from its
 own checkpoint and does not read ``init_from`` again. The source run is only read.
 
+``init_from_hf`` (a Hugging Face directory, :mod:`experiments.hf`) starts from its weights.
 The model, data, loss and metrics are the family's (:mod:`experiments.families`); every linear
 layer not matched by ``quant.high_precision`` runs under ``quant.recipe`` through
 :func:`lowbit.flax.quantize` (:func:`build_model`).
@@ -59,7 +60,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lowbit.flax as lbf
-from experiments import checkpoints, distributed
+from experiments import checkpoints, distributed, hf
 from experiments.config import (
     INIT_FROM_FREE,
     MeshConfig,
@@ -521,6 +522,8 @@ def train(
     trainer = Trainer(cfg, mesh)
     # Read before this run writes anything.
     init_params = None if source is None else _init_params(cfg, trainer, source)
+    if cfg.init_from_hf and not (resume and has_ckpt):
+        init_params = hf.load_params(cfg.init_from_hf, cfg.model)
     if cfg.train.distill_from:  # QAD's teacher: the run the student started from
         teacher = source if source is not None else check_init_from(cfg)
         trainer.teacher_params = (init_params if source is not None
@@ -538,7 +541,8 @@ def train(
     else:
         state, batches = loop.fresh(init_params)
         if init_params is not None:
-            log(f"{cfg.name}: parameters from {cfg.init_from} (checkpoint step {source[1]})")
+            log(f"{cfg.name}: parameters from " + (cfg.init_from_hf or f"{cfg.init_from} "
+                                                   f"(checkpoint step {source[1]})"))
     final_val = loop.run(state, batches)
     mngr.close()
     return loop.finish(final_val)
