@@ -82,16 +82,23 @@ _GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight",
              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
 
-def export_rules(cfg, plan: str | None = None) -> list:
+def export_rules(cfg, plan: str | None = None, model=None) -> list:
     """The rules a run's model is packed by: its own (:func:`experiments.config.quant_rules`),
     or with ``plan`` (a saved autoquant plan) the plan's sites in their recipes and every other
-    site in float."""
+    site in float; given the ``model``, a plan site it does not have is an error."""
     if plan is None:
         return quant_rules(cfg.quant)
     try:
-        return autoquant.Plan.load(plan).rules() + [(".*", "none")]
+        p = autoquant.Plan.load(plan)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--plan={str(plan)!r}: {e}") from e
+    if model is not None:
+        have = {s.path for s in lbf.sites(model, [])}
+        missing = sorted({m for ms in p.members.values() for m in ms} - have)
+        if missing:
+            raise ConfigError(f"--plan={str(plan)!r}: sites {missing} are not in the run's "
+                              f"model (its sites: {sorted(have)})")
+    return p.rules() + [(".*", "none")]
 
 
 def _rope_permutation(rows: int, heads: int) -> np.ndarray:
@@ -258,7 +265,7 @@ def export(run_dir, fmt: str, out, *, plan: str | None = None,
         hf.architecture(cfg.model)
     except hf.UnsupportedCheckpoint as e:
         raise ConfigError(f"--run={str(run_dir)!r}: {e}") from None
-    rules = export_rules(cfg, plan)
+    rules = export_rules(cfg, plan, model)
     tensors = hf.to_hf(cfg.model, lbf.pack(model, rules))
     out = Path(out)
     if fmt != "gguf":

@@ -163,3 +163,25 @@ def test_nvfp4_activations_need_a_calibration(tmp_path, corpus):
         got = f.get_tensor("model.layers.0.mlp.gate_proj.input_scale")
     amax = cal.amax["blocks/0/mlp/gate"]
     np.testing.assert_array_equal(got, np.float32(amax) / np.float32(6 * 448))
+
+
+def test_a_plan_packs_its_sites_and_names_sites_the_model_lacks(tmp_path, corpus):
+    from lowbit.autoquant import PrecisionPlan
+
+    cfg = _run(tmp_path, corpus, "none")
+
+    def plan(path, site):
+        PrecisionPlan(choices={"s": "w4a16_mxfp4"}, members={"s": (site,)},
+                      recipes={"w4a16_mxfp4": lb.recipes.get("w4a16_mxfp4")}, bits=4.25,
+                      budget=5.0, predicted=0.0, method="isolated").save(path)
+        return path
+
+    good = plan(tmp_path / "good.json", "blocks/0/mlp/down")
+    reader = gguf.GGUFReader(export.export(cfg.run_dir, "gguf", tmp_path / "o", plan=good))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_down.weight"] == "MXFP4"
+    assert types["blk.0.ffn_up.weight"] == types["blk.0.attn_q.weight"] == "F32"
+    bad = plan(tmp_path / "bad.json", "blocks/7/mlp/down")
+    with pytest.raises(ConfigError, match=r"sites \['blocks/7/mlp/down'\] are not in the "
+                                          r"run's model"):
+        export.export(cfg.run_dir, "gguf", tmp_path / "o2", plan=bad)
