@@ -42,10 +42,15 @@ float32 on CPU, where the ``none`` recipe is then the float32 baseline). Only ``
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
 from ml_collections import config_dict
 
 from experiments.configlib import parse_arg
+from experiments.model import LLAMA_FIELDS, GPTConfig
+
+GPT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
 
 # d_model, layers, heads, seq_len, batch, steps, peak lr
 SIZES = {
@@ -74,6 +79,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # "" = the random init; or a run directory (runs/<name>/) whose latest checkpoint's
     # parameters this run starts from (see the module docstring).
     c.init_from = ""
+    # "" = none; or a Hugging Face directory of a Llama / Mistral / Qwen2 / Qwen3 checkpoint
+    # (experiments/hf.py): its config.json replaces the model section, its weights the init.
+    c.init_from_hf = ""
 
     c.model = ml_collections.ConfigDict()
     c.model.vocab = 256
@@ -93,6 +101,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # assignments sorted by expert: no capacity, no drops)
     c.model.moe_impl = a.moe
     c.model.dtype = "auto"
+    # The Llama family (experiments/model.py's GPTConfig): the defaults keep the GPT above;
+    # e.g. --config.model.mlp_act=swiglu --config.model.kv_heads=1 is a small Llama, which
+    # python -m experiments.export writes for llama.cpp, vLLM and TensorRT-LLM.
+    for field in LLAMA_FIELDS:
+        setattr(c.model, field, GPT_DEFAULTS[field])
 
     c.quant = ml_collections.ConfigDict()
     c.quant.recipe = a.recipe

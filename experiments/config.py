@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 
 import jax
+import ml_collections
 
 import lowbit as lb
 from experiments import data as data_lib
@@ -573,6 +574,12 @@ def fine_tune_config(
         c.quant.plan = str(plan)
     c.name = name
     c.init_from = init_from
+    if c.get("init_from_hf"):  # the float run started from it: its model section, its weights
+        family = c.get("family") or DEFAULT_FAMILY
+        dtype = c.model.get("dtype", "float32")
+        model = to_plain(_hf_model(c.init_from_hf, family, "float32"))
+        c.model = ml_collections.ConfigDict({**model, "dtype": dtype})
+        c.init_from_hf = ""
     c.train.steps = steps
     c.train.lr = lr
     c.train.warmup_steps = max(0, steps // 10)

@@ -261,6 +261,12 @@ def test_a_run_starts_from_a_hugging_face_checkpoint(tmp_path):
     assert sorted(got) == sorted(want)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-9, err_msg=k)
+    # a study's fine-tune of that run (ptq_vs_qat's QAT rows) keeps the checkpoint's model
+    from experiments.config import fine_tune_config
+
+    ft = RunConfig.from_config(fine_tune_config(c, recipe="qat_nvfp4", name="ft", steps=2,
+                                                lr=1e-3, init_from=str(run.run_dir)))
+    assert ft.model == run.model and not ft.init_from_hf and ft.init_from
     (tmp_path / "small").mkdir()
     c.init_from_hf = str(_write(tmp_path / "small", {**cfg, "vocab_size": 200}, t))
     with pytest.raises(ConfigError, match=r"vocab_size=200 is below the byte data's 256"):
