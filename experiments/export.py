@@ -26,7 +26,8 @@ format expresses).
 
 ``--format gguf`` (llama.cpp): ``<out>/model.gguf`` (:func:`gguf_tensors`,
 :func:`gguf_metadata`): llama.cpp's tensor names and hyper-parameters for its ``llama``,
-``qwen2`` and ``qwen3`` architectures, MXFP4 and NVFP4 weights as GGML's MXFP4 / NVFP4
+``qwen2`` and ``qwen3`` architectures (q and k rows permuted for ``llama``'s RoPE, Llama 3's
+RoPE bands as its ``rope_freqs`` tensor), MXFP4 and NVFP4 weights as GGML's MXFP4 / NVFP4
 (:func:`lowbit.io.write_gguf`), everything else F32, and a byte-level vocabulary (token ``i``
 is the byte ``i``, as lowbit's data pipeline tokenizes). llama.cpp multiplies its quantized
 weights by activations it quantizes itself (Q8_0 on its CPU backend), so its log-probabilities
@@ -135,7 +136,33 @@ def gguf_tensors(cfg: GPTConfig, tensors: dict) -> dict:
                 "or pack it in mxfp4 / nvfp4"
             )
         out[gname] = x if is_qarray(x) else np.asarray(x, np.float32)
+    if cfg.rope_scaling == "llama3":
+        out["rope_freqs.weight"] = _llama3_rope_factors(cfg)
     return out
+
+
+def _llama3_rope_factors(cfg: GPTConfig) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` tensor of Llama 3's RoPE bands: per frequency the factor
+    it divides the frequency by (1 in the high band, ``rope_factor`` in the low band, the
+    interpolation between), as its converter computes it (llama.cpp vendored by
+    llama-cpp-python 0.3.36, ``conversion/llama.py:298-326``; the same bands as
+    :func:`experiments.model.rope_frequencies`)."""
+    k = cfg.head_dim
+    freqs = 1.0 / cfg.rope_base ** (np.arange(0, k, 2, dtype=np.float32) / k)
+    low = cfg.rope_original_len / cfg.rope_low_freq
+    high = cfg.rope_original_len / cfg.rope_high_freq
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < high:
+            out.append(1.0)
+        elif wavelen > low:
+            out.append(cfg.rope_factor)
+        else:
+            smooth = ((cfg.rope_original_len / wavelen - cfg.rope_low_freq)
+                      / (cfg.rope_high_freq - cfg.rope_low_freq))
+            out.append(1 / ((1 - smooth) / cfg.rope_factor + smooth))
+    return np.asarray(out, np.float32)
 
 
 def _byte_vocab(vocab: int) -> dict:
@@ -166,9 +193,9 @@ def gguf_metadata(cfg: GPTConfig, name: str = "lowbit") -> dict:
     if cfg.sliding_window and cfg.sliding_window < cfg.seq_len:
         raise ConfigError(f"model.sliding_window={cfg.sliding_window}: llama.cpp's {arch!r} "
                           "architecture attends to the whole context")
-    if cfg.rope_scaling == "llama3":
-        raise ConfigError("model.rope_scaling='llama3': not written to GGUF yet (llama.cpp "
-                          "takes Llama 3's RoPE bands as a rope_freqs tensor)")
+    if cfg.rope_scaling == "llama3" and arch != "llama":
+        raise ConfigError(f"model.rope_scaling='llama3': llama.cpp's {arch!r} architecture "
+                          "takes no rope_freqs tensor")
     md = {
         "general.architecture": arch,
         "general.name": name,

@@ -40,13 +40,18 @@ def _log_softmax(x):
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
-@pytest.mark.parametrize("recipe", ["w4a16_mxfp4", "w4a16_nvfp4"])
-def test_llama_cpp_gives_lowbits_log_probabilities(tmp_path, recipe):
+LLAMA3 = dict(rope_scaling="llama3", rope_factor=8.0, rope_original_len=16)
+
+
+@pytest.mark.parametrize("recipe, model", [("w4a16_mxfp4", {}), ("w4a16_nvfp4", {}),
+                                           ("w4a16_mxfp4", LLAMA3)],
+                         ids=["mxfp4", "nvfp4", "mxfp4-llama3-rope"])
+def test_llama_cpp_gives_lowbits_log_probabilities(tmp_path, recipe, model):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(gzip.decompress((ROOT / "tests/data/corpus.txt.gz").read_bytes()))
     c = tiny(tmp_path, corpus, recipe, steps=STEPS, warmup_steps=10, eval_every=0,
              checkpoint_every=STEPS, lr=3e-3)
-    c.model.update(dict(mlp_act="swiglu", kv_heads=1, ffn_dim=128))
+    c.model.update(dict(mlp_act="swiglu", kv_heads=1, ffn_dim=128, **model))
     c.quant.high_precision = "head"
     cfg = RunConfig.from_config(c)
     result = trainer.train(cfg, log=quiet)
