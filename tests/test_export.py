@@ -185,3 +185,22 @@ def test_a_plan_packs_its_sites_and_names_sites_the_model_lacks(tmp_path, corpus
     with pytest.raises(ConfigError, match=r"sites \['blocks/7/mlp/down'\] are not in the "
                                           r"run's model"):
         export.export(cfg.run_dir, "gguf", tmp_path / "o2", plan=bad)
+
+
+def test_a_mixed_precision_plan_exports_to_modelopt(tmp_path, corpus):
+    import json
+
+    from lowbit.autoquant import PrecisionPlan
+
+    cfg = _run(tmp_path, corpus, "none")
+    names = ("w4a16_nvfp4", "qat_mxfp8")
+    plan = PrecisionPlan(choices={"a": "w4a16_nvfp4", "b": "qat_mxfp8"},
+                         members={"a": ("blocks/0/mlp/down",), "b": ("blocks/0/attn/qkv",)},
+                         recipes={n: lb.recipes.get(n) for n in names}, bits=6.0, budget=6.0,
+                         predicted=0.0, method="isolated").save(tmp_path / "plan.json")
+    out = export.export(cfg.run_dir, "modelopt", tmp_path / "mo", plan=plan)
+    q = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
+    assert q["quant_algo"] == "MIXED_PRECISION"
+    layers = {k: v["quant_algo"] for k, v in q["quantized_layers"].items()}
+    assert layers == {"model.layers.0.mlp.down_proj": "W4A16_NVFP4",
+                      **{f"model.layers.0.self_attn.{n}_proj": "MXFP8" for n in "qkv"}}
