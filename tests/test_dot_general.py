@@ -209,15 +209,29 @@ def test_matches_reference(name, case):
 
 @pytest.mark.parametrize("name", QAT)
 def test_qat_gradients_are_straight_through(name):
-    fmt = recipes.get(name).fwd.lhs.format
+    spec = recipes.get(name).fwd.lhs
+    fmt = spec.format
     x, w, dy = case_inputs()[MK_KN.id]
+
+    def pow2_amax(v):  # a pow2_tensor_scale spec: the amax 2688 * 2**k (float64 search)
+        a, k = float(np.max(np.abs(np.asarray(v)))), 0
+        while 2688.0 * 2.0**k < a:
+            k += 1
+        while 2688.0 * 2.0 ** (k - 1) >= a:
+            k -= 1
+        return np.float32(2688.0 * 2.0**k)
+
+    amax = {1: pow2_amax(x), 0: pow2_amax(w)} if spec.pow2_tensor_scale else {1: None, 0: None}
+
+    def fq(v, axis):
+        return lb.fake_quantize(v, fmt, axis=axis, tensor_amax=amax[axis])
 
     @jax.jit
     def ste(x, w, dy):  # K is axis 1 of x and axis 0 of w
         y, vjp = jax.vjp(
             lambda x, w: lax.dot_general(
-                lb.fake_quantize(x, fmt, axis=1),
-                lb.fake_quantize(w, fmt, axis=0),
+                fq(x, 1),
+                fq(w, 0),
                 DN,
                 precision=HIGHEST,
                 preferred_element_type=jnp.float32,

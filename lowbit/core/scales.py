@@ -24,12 +24,13 @@ import numpy as np
 from jax import lax
 
 from lowbit.core.formats import E4M3, ElementFormat
-from lowbit.core.numerics import exponent, fmix32, ieee_div, round_to_grid
+from lowbit.core.numerics import exponent, fmix32, ieee_div, pow2, round_to_grid
 
 __all__ = [
     "mx_scale_exponent",
     "oas_constant",
     "nvfp4_tensor_scale",
+    "pow2_tensor_amax",
     "four_over_six",
     "four_over_six_tensor_scales",
     "FOUR_OVER_SIX_METRICS",
@@ -126,6 +127,28 @@ def nvfp4_tensor_scale(tensor_amax: jax.Array, elem_max: float = 6.0) -> jax.Arr
     7 for INT4), correctly rounded (an IEEE division XLA cannot rewrite into a multiplication
     by a rounded reciprocal)."""
     return ieee_div(jnp.asarray(tensor_amax, jnp.float32), np.float32(E4M3.max * elem_max))
+
+
+def pow2_tensor_amax(tensor_amax: jax.Array, elem_max: float = 6.0) -> jax.Array:
+    """The smallest ``448 * elem_max * 2**k`` at or above ``tensor_amax`` (float32; 0 stays
+    0): the tensor amax whose tensor scale (:func:`nvfp4_tensor_scale`) is the power of two
+    ``2**k``. A power-of-two tensor scale and its reciprocal are exact, so the
+    ``code * block_scale * t`` of lowbit, the ``code * (block_scale / (1 / t))`` of
+    compressed-tensors and vLLM, and the ``(code * block_scale) * t`` of ModelOpt and
+    llama.cpp are one value (``QuantSpec.pow2_tensor_scale``). The block scales then use at
+    least half of E4M3's range.
+
+    >>> [float(pow2_tensor_amax(a)) for a in (3000.0, 2688.0, 0.0)]
+    [5376.0, 2688.0, 0.0]
+    """
+    a = jnp.asarray(tensor_amax, jnp.float32)
+    base = np.float32(E4M3.max * elem_max)
+    _, e = jnp.frexp(ieee_div(a, base))  # a / base in [2**(e-1), 2**e), up to its rounding
+    e = jnp.clip(e, -125, 127)
+    up, down = base * pow2(e), base * pow2(e - 1)  # exact: a power of two times 2688
+    above = base * pow2(jnp.minimum(e + 1, 127))
+    out = jnp.where(down >= a, down, jnp.where(up >= a, up, above))
+    return jnp.where(a > 0, out, a)
 
 
 def block_sum(e: jax.Array, block_axes, *, halves: str = "slice") -> jax.Array:

@@ -26,6 +26,7 @@ from lowbit.core import hadamard as _hadamard
 from lowbit.core import qarray as _qa
 from lowbit.core.numerics import exponent, ieee_div, materialize, pow2, round_to_grid, uniform_bits
 from lowbit.core.plan import Plan, make_plan
+from lowbit.core.scales import pow2_tensor_amax
 from lowbit.gemm.recipes import GEMMS, GemmSpec, QuantSpec
 
 __all__ = [
@@ -259,7 +260,7 @@ def quantize_operand(
         return std_scaled_quantize(x, spec, axis, key if spec.stochastic else None)[0]
     two_d = spec.block_shape is not None and len(spec.block_shape) == 2
     fuse = (hadamard is not None and spec.clip_rms is None and spec.granularity == "block"
-            and not two_d and not packed and spec.amax is None)
+            and not two_d and not packed and spec.amax is None and not spec.pow2_tensor_scale)
     if hadamard is not None and not fuse:
         x = hadamard_along(x, axis, hadamard, signs)
     x = clip_to_rms(x, spec, axis)
@@ -268,6 +269,10 @@ def quantize_operand(
     if tensor_amax is None and given_amax is not None and spec.granularity == "block" \
             and _formats.get(spec.format).tensor_scale:
         tensor_amax = given_amax
+    if spec.pow2_tensor_scale:  # the tensor amax (finite values) rounded to a power-of-two scale
+        if tensor_amax is None:
+            tensor_amax = jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), np.float32(0)))
+        tensor_amax = pow2_tensor_amax(tensor_amax, _formats.get(spec.format).elem.max)
     rounding_key = key if spec.stochastic else None
     if spec.granularity != "block":
         v, scale = _scaled_quantize(x, spec, rounding_key, axis, given_amax)

@@ -120,8 +120,10 @@ def _kernel_reason(gemm: GemmSpec, st: Shape) -> str | None:
         if len(b) != 1 or b[0] < 16 or b[0] & (b[0] - 1):
             return (f"{spec.format} with block_shape {spec.block_shape}: the kernel takes 1-D "
                     "blocks of a power of two >= 16 along K")
-        if spec.tensor_block or spec.rounding == "eden" or spec.scale_std is not None:
-            return f"{spec.format}: outer block scales, MS-EDEN or a QuEST scale"
+        if spec.tensor_block or spec.rounding == "eden" or spec.scale_std is not None \
+                or spec.pow2_tensor_scale:
+            return (f"{spec.format}: outer block scales, MS-EDEN, a QuEST scale or a "
+                    "power-of-two tensor scale")
     return None
 
 

@@ -100,6 +100,12 @@ class QuantSpec:
       tensor_block: NVFP4 only: TetraJet-v2's double-block scaling, a float32 outer scale per
         ``tensor_block`` elements along the contraction axis (e.g. 128) in place of the
         per-tensor scale (``lowbit.quantize``'s ``tensor_block``).
+      pow2_tensor_scale: NVFP4 / INT4: round the tensor amax up to ``448 * elem_max * 2**k``
+        (:func:`lowbit.core.scales.pow2_tensor_amax`), so that the tensor scale is a power of
+        two. Its reciprocal is then exact, and every engine's arithmetic gives lowbit's values:
+        compressed-tensors / vLLM store ``1 / t`` as the global scale (``lowbit.io``'s
+        compressed-tensors export needs it to be exact). The block scales use at least half
+        of E4M3's range.
       trust_mask: for a forward operand, QuEST's trust estimator: the backward zeroes the
         gradient of every element whose scaled magnitude reached the element grid's max
         (``|x / scale| >= elem_max``), in the basis the forward quantized it (inside the
@@ -117,6 +123,7 @@ class QuantSpec:
     scale_std: float | None = None
     trust_mask: bool = False
     tensor_block: int | None = None
+    pow2_tensor_scale: bool = False
 
     def __post_init__(self):
         if self.granularity in ("tensor", "row"):
@@ -176,11 +183,26 @@ class QuantSpec:
                 )
         if self.scale_std is not None:
             self._check_scale_std()
+        if self.pow2_tensor_scale:
+            self._check_pow2()
         if self.trust_mask and self.scale_std is None:
             raise ValueError(
                 "trust_mask=True needs scale_std (the mask marks the elements that QuEST's "
                 "std-scaled quantizer saturates)"
             )
+
+    def _check_pow2(self) -> None:
+        fmt = None if self.granularity != "block" else _formats.get(self.format)
+        clash = [n for n, bad in (
+            (f"{self.format} (no tensor scale)", fmt is None or not fmt.tensor_scale
+             or fmt.is_absmean),
+            (f"tensor_block={self.tensor_block}", self.tensor_block is not None),
+            (f"scale_mode={self.scale_mode!r}", self.scale_mode not in (None, "nvfp4")),
+            ("rounding='eden'", self.rounding == "eden"),
+        ) if bad]
+        if clash:
+            raise ValueError(f"pow2_tensor_scale=True needs one NVFP4 / INT4 tensor scale of "
+                             f"the plain rule; got {', '.join(clash)}")
 
     def _check_scale_std(self) -> None:
         c = float(self.scale_std)
@@ -720,3 +742,28 @@ for _name in ("mxfp4", "nvfp4"):
             "arXiv:2306.00978) and SVDQuant's W4A16 baselines, in block-scaled FP4",
         )
     )
+
+# NVFP4 with a power-of-two tensor scale (QuantSpec.pow2_tensor_scale): what every serving
+# engine's arithmetic reproduces exactly, compressed-tensors' reciprocal global scale included.
+_P2 = QuantSpec("nvfp4", pow2_tensor_scale=True)
+register(
+    Recipe(
+        "qat_nvfp4_pow2",
+        fwd=GemmSpec(_P2, _P2),
+        description="QAT: NVFP4 weights and activations in the forward, each tensor scale "
+        "rounded up to a power of two (exportable bit for bit to compressed-tensors / vLLM), "
+        "straight-through gradients in high precision.",
+        source="NVIDIA NVFP4; the global scale as compressed-tensors stores it (1 / t)",
+    )
+)
+register(
+    Recipe(
+        "w4a16_nvfp4_pow2",
+        fwd=GemmSpec(None, _P2),
+        description="Weight-only: NVFP4 weights with a power-of-two tensor scale (exportable "
+        "bit for bit to compressed-tensors / vLLM), activations and the backward in high "
+        "precision (straight-through).",
+        source="weight-only 4-bit serving (W4A16), NVIDIA NVFP4; the global scale as "
+        "compressed-tensors stores it (1 / t)",
+    )
+)

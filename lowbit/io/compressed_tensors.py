@@ -82,6 +82,7 @@ import ml_dtypes
 import numpy as np
 
 from lowbit.core.qarray import QArray
+from lowbit.core.scales import pow2_tensor_amax
 from lowbit.io.safetensors import as_numpy, linear_codes, linear_float, write_hf_directory
 
 __all__ = [
@@ -103,9 +104,11 @@ _E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
 def exact_tensor_amax(amax) -> np.float32:
-    """The smallest ``2688 * 2**k`` at or above ``amax``: NVFP4 quantized with it as
-    ``tensor_amax`` has the tensor scale ``2**k``, whose reciprocal compressed-tensors' global
-    scale holds exactly (block scales still use at least 1/2 of E4M3's range).
+    """The smallest ``2688 * 2**k`` at or above ``amax``
+    (:func:`lowbit.core.scales.pow2_tensor_amax`): NVFP4 quantized with it as ``tensor_amax``
+    has the tensor scale ``2**k``, whose reciprocal compressed-tensors' global scale holds
+    exactly. A recipe whose specs set ``pow2_tensor_scale`` (``qat_nvfp4_pow2``,
+    ``w4a16_nvfp4_pow2``) quantizes so on every call.
 
     >>> float(exact_tensor_amax(3000.0)), float(exact_tensor_amax(2688.0))
     (5376.0, 2688.0)
@@ -113,15 +116,9 @@ def exact_tensor_amax(amax) -> np.float32:
     a = float(np.asarray(jax.device_get(amax), np.float64))
     if not np.isfinite(a) or a <= 0:
         raise ValueError(f"amax must be finite and positive, got {a}")
-    k = int(np.ceil(np.log2(a / float(_FP4_FP8_MAX))))
-    while float(_FP4_FP8_MAX) * 2.0**k < a:  # log2's rounding, either way
-        k += 1
-    while float(_FP4_FP8_MAX) * 2.0 ** (k - 1) >= a:
-        k -= 1
-    out = np.float32(float(_FP4_FP8_MAX) * 2.0**k)
-    if not np.isfinite(out) or float(out) / float(_FP4_FP8_MAX) < 2.0**-126:
-        raise ValueError(f"amax={a} gives the tensor scale 2**{k}, outside float32's normal "
-                         "range")
+    out = np.float32(pow2_tensor_amax(np.float32(a)))
+    if not np.isfinite(out) or out < a or float(out) / float(_FP4_FP8_MAX) < 2.0**-126:
+        raise ValueError(f"amax={a} has no power-of-two tensor scale in float32's normal range")
     return out
 
 
@@ -178,7 +175,8 @@ def _global_scale(module: str, t, packed: np.ndarray, scales: np.ndarray) -> np.
             f"{float(x[i])} with block scale {float(s[i])} comes out {float(theirs[i])!r} "
             f"there and {float(ours[i])!r} in lowbit "
             f"({bad.size} of {present.size} (element, scale) pairs differ). A power-of-two "
-            "tensor scale is exact: quantize with tensor_amax=exact_tensor_amax(amax).")
+            "tensor scale is exact: quantize with tensor_amax=exact_tensor_amax(amax), or train "
+            "and pack with a pow2_tensor_scale recipe (qat_nvfp4_pow2, w4a16_nvfp4_pow2).")
     return np.reshape(g, (1,))
 
 

@@ -63,6 +63,8 @@ def _spec_unsupported(spec: QuantSpec | None, name: str) -> str | None:
         )
     if spec.rounding == "eden":
         return f"{name}: rounding='eden' (MS-EDEN's corrected scales run in the emulation)"
+    if spec.pow2_tensor_scale:
+        return f"{name}: pow2_tensor_scale (a power-of-two tensor scale runs in the emulation)"
     if spec.tensor_block is not None:
         return (
             f"{name}: tensor_block={spec.tensor_block} (the kernels take one tensor scale per "
