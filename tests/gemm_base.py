@@ -116,7 +116,16 @@ def _numpy_operand(x: np.ndarray, spec: QuantSpec | None, axis: int) -> np.ndarr
     if spec is None:
         return np.asarray(x, np.float64)
     if spec.format in ("nvfp4", "int4"):
-        return ref.nvfp4_quantize(x, axis=axis, elem={"nvfp4": "e2m1"}.get(spec.format, "int4")
+        elem = {"nvfp4": "e2m1"}.get(spec.format, "int4")
+        amax = None
+        if spec.pow2_tensor_scale:  # the smallest 448 * elem_max * 2**k >= max |x|
+            base, a, k = 448.0 * ref.ELEMS[elem].max, float(np.max(np.abs(x))), 0
+            while base * 2.0**k < a:
+                k += 1
+            while base * 2.0 ** (k - 1) >= a:
+                k -= 1
+            amax = np.float32(base * 2.0**k)
+        return ref.nvfp4_quantize(x, axis=axis, elem=elem, tensor_amax=amax
                                   ).values.astype(np.float64)
     return ref.mx_quantize(x, spec.format, axis=axis,
                            scale_mode=spec.scale_mode or "floor").values.astype(np.float64)

@@ -214,7 +214,8 @@ def test_kernel_supports():
         # MS-EDEN's corrected scales and double-block scales run in the emulation
         fos = any(s is not None and (s.rounding == "eden" or s.tensor_block is not None)
                   for s in pair)
-        expected = not (tensor or tiles or quest or rows or ints or fos)  # weight-only too
+        pow2 = any(s is not None and s.pow2_tensor_scale for s in pair)  # power-of-two t
+        expected = not (tensor or tiles or quest or rows or ints or fos or pow2)  # W-only too
         assert kernel_supports(*pair)[0] == expected
     assert kernel_supports(QuantSpec("nvfp4", scale_mode="4over6"), None) == (True, "")
     ok, reason = kernel_supports(QuantSpec("nvfp4", rounding="eden"), None)
@@ -223,6 +224,8 @@ def test_kernel_supports():
     assert not ok and "double-block" in reason
     ok, reason = kernel_supports(QuantSpec("mxfp4", scale_std=2.9), None)
     assert not ok and "scale_std=2.9" in reason
+    ok, reason = kernel_supports(QuantSpec("nvfp4", pow2_tensor_scale=True), None)
+    assert not ok and "power-of-two tensor scale runs in the emulation" in reason
     static = QuantSpec("nvfp4", amax=3.0)  # a calibrated static amax: the emulation runs
     ok, reason = kernel_supports(static, QuantSpec("nvfp4"))
     assert not ok and "static (calibrated) amax" in reason
