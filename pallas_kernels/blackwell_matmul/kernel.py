@@ -56,14 +56,8 @@ compiling it for a device-less B200 (:func:`compile_report`), and its numbers ag
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import itertools
-import os
 import re
-import tempfile
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +65,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from lowbit.core.qarray import QArray, dequantize
+from pallas_kernels import mosaic_common as mc
 from pallas_kernels.mma_scales import to_mma_layout
 
 __all__ = [
@@ -86,8 +80,6 @@ __all__ = [
     "mma_kinds",
     "smem_bytes",
 ]
-
-OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,40 +203,6 @@ def _check_config(config: Config, f: MmaFormat, m: int, n: int, k: int) -> None:
             raise ValueError(f"{name}={size} must be a multiple of {blk_name}={blk}")
 
 
-def _check_operand(codes, scales, f: MmaFormat, side: str) -> tuple[int, int]:
-    """(rows, K) of one operand; ValueError / TypeError naming the argument otherwise."""
-    codes_name, scales_name = f"{side}_codes", f"{side}_scales"
-    if codes.ndim != 2:
-        raise ValueError(f"{codes_name} must be 2-D [rows, K*bits/8], got shape {codes.shape}")
-    if codes.dtype != jnp.uint8:
-        raise TypeError(f"{codes_name} must be uint8 (packed codes), got {codes.dtype}")
-    if scales.ndim != 2:
-        raise ValueError(f"{scales_name} must be 2-D [rows, K/block], got shape {scales.shape}")
-    if scales.dtype.itemsize != 1:
-        raise TypeError(f"{scales_name} must hold one byte per scale, got {scales.dtype}")
-    rows, k = codes.shape[0], codes.shape[1] * 8 // f.bits
-    if scales.shape != (rows, k // f.block) or k % f.block:
-        raise ValueError(
-            f"{scales_name} has shape {scales.shape}; {codes_name} {codes.shape} of {f.name} "
-            f"({f.bits}-bit codes, blocks of {f.block}) needs ({rows}, {k // f.block}) and "
-            f"K={k} a multiple of {f.block}"
-        )
-    return rows, k
-
-
-def _check_tensor_scale(ts, f: MmaFormat, name: str):
-    if not f.tensor_scaled:
-        if ts is not None:
-            raise ValueError(f"{name} is only for NVFP4; {f.name} has none (got {ts!r})")
-        return None
-    if ts is None:
-        raise ValueError(f"{name} is required for {f.name} (the float32 tensor scale)")
-    ts = jnp.asarray(ts)
-    if ts.size != 1:
-        raise ValueError(f"{name} must be a scalar (one tensor scale), got shape {ts.shape}")
-    return ts.astype(jnp.float32).reshape(())
-
-
 def _elements(codes: jax.Array, f: MmaFormat) -> jax.Array:
     """Packed uint8 codes ``[rows, K*bits/8]`` as the MMA's element dtype ``[rows, K]``."""
     e = lax.bitcast_convert_type(codes, f.elem_dtype)
@@ -271,24 +229,14 @@ def prepare_operands(
     ((128, 256), dtype(float4_e2m1fn), (2, 2, 32, 16), dtype(float8_e8m0fnu), None)
     """
     f = _mma_format(fmt)
-    a_codes, a_scales = jnp.asarray(a_codes), jnp.asarray(a_scales)
-    b_codes, b_scales = jnp.asarray(b_codes), jnp.asarray(b_scales)
-    _, k_a = _check_operand(a_codes, a_scales, f, "a")
-    _, k_b = _check_operand(b_codes, b_scales, f, "b")
-    if k_a != k_b:
-        raise ValueError(
-            f"a_codes {a_codes.shape} and b_codes {b_codes.shape} hold different K "
-            f"({k_a} and {k_b}): A is [M, K] and B is [N, K], both quantized along K"
-        )
-    ta = _check_tensor_scale(a_tensor_scale, f, "a_tensor_scale")
-    tb = _check_tensor_scale(b_tensor_scale, f, "b_tensor_scale")
-    t = None if ta is None else (ta * tb).reshape(1)
+    ops = mc.check_operands(a_codes, a_scales, b_codes, b_scales, f,
+                            a_tensor_scale=a_tensor_scale, b_tensor_scale=b_tensor_scale)
 
-    def tiles(s):
-        s = s if s.dtype == jnp.uint8 else lax.bitcast_convert_type(s, jnp.uint8)
+    def tiles(s):  # uint8 scales [rows, K / block] -> the MMA's scale tiles
         return lax.bitcast_convert_type(to_mma_layout(s), f.scale_dtype)
 
-    return _elements(a_codes, f), _elements(b_codes, f), tiles(a_scales), tiles(b_scales), t
+    return (_elements(ops.a_codes, f), _elements(ops.b_codes, f), tiles(ops.a_scales),
+            tiles(ops.b_scales), ops.tensor_scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,10 +367,8 @@ def _epilogue(p: _Plan, acc_tmem, out_smem, out_gmem, scale, mi, ni):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel_call(a, b, a_tiles, b_tiles, t, *, f: MmaFormat, config: Config, out_dtype,
-                 tag: str = ""):
-    """The ``plgpu.kernel`` over prepared operands (see the module docstring); ``tag`` is
-    appended to the kernel's name."""
+def _kernel_call(a, b, a_tiles, b_tiles, t, *, f: MmaFormat, config: Config, out_dtype):
+    """The ``plgpu.kernel`` over prepared operands (see the module docstring)."""
     (m, k), n = a.shape, b.shape[0]
     k_steps = k // config.block_k
     p = _Plan(f=f, bm=config.block_m, bn=config.block_n, bk=config.block_k,
@@ -451,30 +397,15 @@ def _kernel_call(a, b, a_tiles, b_tiles, t, *, f: MmaFormat, config: Config, out
         scale = t_gmem[0] if t_gmem is not None else None
         _epilogue(p, tmem[0], out_smem, out_gmem, scale, mi, ni)
 
-    call = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((m, n), p.out_dtype),
-        grid=(m // p.bm, n // p.bn),
-        grid_names=("m", "n"),
-        scratch_types=_scratch(p),
-        kernel_name=f"blackwell_{f.name}_{p.bm}x{p.bn}x{p.bk}_s{p.stages}{tag}",
-    )
+    call = mc.tile_kernel(body, shape=(m, n), block=(p.bm, p.bn), out_dtype=p.out_dtype,
+                          scratch_types=_scratch(p),
+                          name=f"blackwell_{f.name}_{p.bm}x{p.bn}x{p.bk}_s{p.stages}")
     return call(a, b, a_tiles, b_tiles, *((t,) if f.tensor_scaled else ()))
 
 
 def blackwell_block_scaled_matmul(
-    a_codes,
-    a_scales,
-    b_codes,
-    b_scales,
-    *,
-    fmt: str,
-    a_tensor_scale=None,
-    b_tensor_scale=None,
-    out_dtype=jnp.float32,
-    block_m: int = 128,
-    block_n: int = 128,
-    block_k: int | None = None,
+    a_codes, a_scales, b_codes, b_scales, *, fmt: str, a_tensor_scale=None, b_tensor_scale=None,
+    out_dtype=jnp.float32, block_m: int = 128, block_n: int = 128, block_k: int | None = None,
     num_stages: int | None = None,
 ) -> jax.Array:
     """``C [M, N] = dequantize(A) @ dequantize(B)^T`` on Blackwell's block-scaled MMA.
@@ -497,80 +428,36 @@ def blackwell_block_scaled_matmul(
     Runs on a Blackwell GPU only (Mosaic GPU has no interpret mode for TMEM / tcgen05);
     elsewhere use :func:`reference`, or compile it device-less with :func:`compile_report`.
     """
-    return _matmul(a_codes, a_scales, b_codes, b_scales, fmt=fmt,
-                   a_tensor_scale=a_tensor_scale, b_tensor_scale=b_tensor_scale,
-                   out_dtype=out_dtype, block_m=block_m, block_n=block_n, block_k=block_k,
-                   num_stages=num_stages, tag="")
-
-
-def _matmul(a_codes, a_scales, b_codes, b_scales, *, fmt, a_tensor_scale, b_tensor_scale,
-            out_dtype, block_m, block_n, block_k, num_stages, tag: str) -> jax.Array:
-    """:func:`blackwell_block_scaled_matmul`, with ``tag`` appended to the kernel's name."""
     f = _mma_format(fmt)
-    out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be float32, bfloat16 or float16, got {out_dtype}")
+    out_dtype = mc.check_out_dtype(out_dtype)
     a, b, a_tiles, b_tiles, t = prepare_operands(
         a_codes, a_scales, b_codes, b_scales, fmt=f.name,
         a_tensor_scale=a_tensor_scale, b_tensor_scale=b_tensor_scale,
     )
     (m, k), n = a.shape, b.shape[0]
-    default = get_default(f.name, m, n, k)
-    config = Config(
-        block_m=block_m,
-        block_n=block_n,
-        block_k=default.block_k if block_k is None else block_k,
-        num_stages=default.num_stages if num_stages is None else num_stages,
-    )
+    config = mc.tiles(get_default(f.name, m, n, k), block_m=block_m, block_n=block_n,
+                      block_k=block_k, num_stages=num_stages)
     _check_config(config, f, m, n, k)
-    return _kernel_call(a, b, a_tiles, b_tiles, t, f=f, config=config, out_dtype=out_dtype,
-                        tag=tag)
+    return _kernel_call(a, b, a_tiles, b_tiles, t, f=f, config=config, out_dtype=out_dtype)
 
 
 def reference(
     a_codes, a_scales, b_codes, b_scales, *, fmt: str, a_tensor_scale=None,
     b_tensor_scale=None, out_dtype=jnp.float32,
 ) -> jax.Array:
-    """What the kernel computes, in XLA: ``lowbit.core.qarray.dequantize`` both operands to
-    float32 and multiply ``A @ B^T`` in IEEE float32 (``Precision.HIGHEST``).
-
-    >>> import jax.numpy as jnp
-    >>> ones = jnp.full((4, 32), 0x38, jnp.uint8)  # E4M3 1.0
-    >>> one = jnp.full((4, 1), 127, jnp.uint8)  # E8M0 2^0
-    >>> float(reference(ones, one, ones, one, fmt="mxfp8")[0, 0])
-    32.0
-    """
-    f = _mma_format(fmt)
-    ops = []
-    for side, codes, scales, ts in (
-        ("a", a_codes, a_scales, a_tensor_scale), ("b", b_codes, b_scales, b_tensor_scale)
-    ):
-        codes, scales = jnp.asarray(codes), jnp.asarray(scales)
-        rows, k = _check_operand(codes, scales, f, side)
-        ts = _check_tensor_scale(ts, f, f"{side}_tensor_scale")
-        q = QArray(
-            codes=codes,
-            scales=scales if scales.dtype == jnp.uint8 else lax.bitcast_convert_type(
-                scales, jnp.uint8),
-            tensor_scale=ts,
-            format_name=f.name,
-            shape=(rows, k),
-            dtype=jnp.float32,
-            axes=(1,),
-            block_shape=(f.block,),
-        )
-        ops.append(dequantize(q, jnp.float32))
-    c = jnp.dot(ops[0], ops[1].T, precision=lax.Precision.HIGHEST,
-                preferred_element_type=jnp.float32)
-    return c.astype(out_dtype)
+    """What :func:`blackwell_block_scaled_matmul` computes, in XLA: both operands
+    dequantized by lowbit, NVFP4's tensor scales on every element rather than on the sum, and
+    a float32 dot (:func:`pallas_kernels.mosaic_common.reference_matmul`, which checks the
+    arguments alike)."""
+    return mc.reference_matmul(a_codes, a_scales, b_codes, b_scales, _mma_format(fmt),
+                               a_tensor_scale=a_tensor_scale, b_tensor_scale=b_tensor_scale,
+                               out_dtype=out_dtype)
 
 
 # --------------------------------------------------------------------------------------------
 # Device-less compilation for a B200
 
 _MMA_KIND = re.compile(r"tcgen05\.mma\.cta_group::\d\.(kind::[\w:.]+)")
-_REPORTS = itertools.count()
-_MOSAIC_DUMP_ENV = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS")
 
 
 def mma_kinds(ptx: str) -> list[str]:
@@ -586,23 +473,6 @@ def mma_kinds(ptx: str) -> list[str]:
         kinds.add(".".join(parts[: parts.index("block_scale") + 1]) if "block_scale" in parts
                   else parts[0])
     return sorted(kinds)
-
-
-@contextlib.contextmanager
-def _mosaic_dump(directory: str):
-    """Mosaic GPU compiles its kernels itself (inside XLA's compile, not through XLA's PTX
-    dump): these variables make it write each kernel's PTX and ptxas log to ``directory``."""
-    old = {v: os.environ.get(v) for v in _MOSAIC_DUMP_ENV}
-    os.environ.update(MOSAIC_GPU_DUMP_TO=directory, MOSAIC_GPU_DUMP_PTX="1",
-                      MOSAIC_GPU_DUMP_PTXAS="1")
-    try:
-        yield
-    finally:
-        for v, val in old.items():
-            if val is None:
-                os.environ.pop(v, None)
-            else:
-                os.environ[v] = val
 
 
 def smem_bytes(config: Config, fmt: str, out_dtype=jnp.float32) -> int:
@@ -626,72 +496,29 @@ def compile_report(fmt: str, m: int, n: int, k: int, *, target: str = "b200",
     """Compile the kernel for a device-less ``target`` (``"b200"``) and report its code.
 
     Needs the CUDA plugin (``.venv-gpu``, ``JAX_PLATFORMS=cpu``; raises RuntimeError without
-    it). Lowers under ``jax.set_mesh`` of the target's one-device mesh (Mosaic GPU reads the
-    compute capability, 10.0 for the B200, from the abstract mesh's device; without it, it
-    assumes 9.0), compiles with :mod:`pallas_kernels.aot` and reads the PTX and the
-    ``ptxas -v`` log that Mosaic GPU writes while it compiles the kernel. Returns a dict:
+    it, or where this process compiled Mosaic GPU kernels for another target). Compiles with
+    :func:`pallas_kernels.mosaic_common.compile_with_dump` (under the target's mesh, whose
+    device gives Mosaic GPU the compute capability, 10.0 for the B200) and reads the PTX and
+    the ``ptxas -v`` log that Mosaic GPU writes while it compiles the kernel. Returns a dict:
     ``kinds`` (the ``tcgen05.mma`` kinds in the PTX, :func:`mma_kinds`), ``expected_kind``,
     ``registers``, ``spill_stores``, ``spill_loads``, ``stack`` (bytes per thread),
     ``kernel`` (its name), ``config``, ``smem_bytes``, ``compile_s`` (seconds to lower and
     compile the jitted wrapper), ``ptxas_ms`` (ptxas's own compile time) and ``xla_kernels``
     (XLA's fusions around it: the scale re-layouts, NVFP4's tensor-scale product).
     """
-    from pallas_kernels import aot  # noqa: PLC0415  (aot is only for this report)
-
     f = _mma_format(fmt)
     out_dtype = jnp.dtype(out_dtype)
-    default = get_default(f.name, m, n, k)
-    config = Config(block_k=default.block_k if block_k is None else block_k,
-                    num_stages=default.num_stages if num_stages is None else num_stages)
-    # A name of its own: Mosaic GPU keeps the kernels it compiled in this process and would
-    # neither compile nor dump the same module again.
-    tag = f"_aot{next(_REPORTS)}"
-
-    def fn(a_codes, a_scales, b_codes, b_scales, *ts):
-        tsa, tsb = ts if ts else (None, None)
-        return _matmul(a_codes, a_scales, b_codes, b_scales, fmt=f.name, a_tensor_scale=tsa,
-                       b_tensor_scale=tsb, out_dtype=out_dtype, block_m=config.block_m,
-                       block_n=config.block_n, block_k=config.block_k,
-                       num_stages=config.num_stages, tag=tag)
-
-    codes_k = k * f.bits // 8
-    with aot.session(target) as t, tempfile.TemporaryDirectory(prefix="lowbit-mosaic-") as d:
-        specs = [
-            t.spec((m, codes_k), jnp.uint8), t.spec((m, k // f.block), jnp.uint8),
-            t.spec((n, codes_k), jnp.uint8), t.spec((n, k // f.block), jnp.uint8),
-        ]
-        if f.tensor_scaled:
-            specs += [t.spec((), jnp.float32), t.spec((), jnp.float32)]
-        # no persistent compilation cache: a hit would skip Mosaic GPU's compile and its dump
-        cache = jax.config.jax_enable_compilation_cache
-        jax.config.update("jax_enable_compilation_cache", False)
-        start = time.perf_counter()
-        try:
-            with _mosaic_dump(d), jax.set_mesh(t.mesh):
-                kernels, _ = t.compile(jax.jit(fn), *specs)
-        finally:
-            jax.config.update("jax_enable_compilation_cache", cache)
-        seconds = time.perf_counter() - start
-        ptx = "\n".join(p.read_text() for p in sorted(Path(d).rglob("*.ptx")))
-        # Mosaic GPU's PTX is ISA 9.0 in jax 0.10.2, newer than the ptxas of
-        # nvidia-cuda-nvcc-cu12 12.9 accepts ("Unsupported .version 9.0; current version is
-        # '8.8'"), so the log of Mosaic GPU's own ptxas is the one read here.
-        log = "\n".join(p.read_text() for p in sorted(Path(d).rglob("*.ptxas")))
-    stats = {name: st for name, st in aot.parse_ptxas(log).items() if tag in name}
-    if len(stats) != 1 or not ptx:
-        raise RuntimeError(
-            f"expected Mosaic GPU's PTX and the ptxas log of one kernel tagged {tag!r}; got "
-            f"{len(ptx)} characters of PTX and kernels {sorted(stats)} in:\n{log[-2000:]}"
-        )
-    (name, st), = stats.items()
-    ptxas_ms = re.findall(r"Compile time = ([\d.]+) ms", log)
+    config = mc.override(get_default(f.name, m, n, k), block_k=block_k, num_stages=num_stages)
+    build, stats = mc.compile_matmul(
+        blackwell_block_scaled_matmul, f, m, n, k, target, out_dtype=out_dtype,
+        block_m=config.block_m, block_n=config.block_n, block_k=config.block_k,
+        num_stages=config.num_stages,
+    )
+    steps = k // config.block_k
     return dict(
-        fmt=f.name, shape=(m, n, k), target=target, kinds=mma_kinds(ptx),
-        expected_kind=f.ptx_kind, kernel=name, registers=st["registers"],
-        spill_stores=st["spill_stores"], spill_loads=st["spill_loads"], stack=st["stack"],
-        config=dataclasses.asdict(dataclasses.replace(config, num_stages=min(
-            config.num_stages, k // config.block_k))),
+        fmt=f.name, shape=(m, n, k), target=target, kinds=mma_kinds(build.ptx),
+        expected_kind=f.ptx_kind, **stats,
+        config=dataclasses.asdict(
+            dataclasses.replace(config, num_stages=min(config.num_stages, steps))),
         smem_bytes=smem_bytes(config, f.name, out_dtype),
-        compile_s=round(seconds, 2), ptxas_ms=float(ptxas_ms[-1]) if ptxas_ms else None,
-        xla_kernels=len(kernels),
     )
