@@ -304,6 +304,31 @@ def roofline_table(device=roofline.H200) -> str:
     return "\n".join(rows) + "\n"
 
 
+MOSAIC_FORMATS = ("mxfp8_e4m3", "mxfp4", "nvfp4")
+
+
+def mosaic_roofline_table() -> str:
+    """The markdown roofline table of the Mosaic GPU matmuls (``pallas_kernels.blackwell_matmul``
+    on a B200, ``pallas_kernels.hopper_matmul`` on an H200; compiled device-less, not yet
+    timed here), at the prefill and decode shapes, each against the bf16 GEMM on its device."""
+    rows = [
+        "| kernel | device | MB moved | GFLOP | roofline (us) | roof | best speed-up over the "
+        "bf16 GEMM |",
+        "|---|---|---:|---:|---:|---|---:|",
+    ]
+    kernels = (("blackwell", roofline.blackwell_matmul_roofline, roofline.B200),
+               ("hopper", roofline.hopper_matmul_roofline, roofline.H200))
+    for name, fn, device in kernels:
+        for mkn in (PREFILL, DECODE):
+            for fmt in MOSAIC_FORMATS:
+                r = fn(*mkn, fmt, device=device)
+                g = roofline.bf16_gemm_roofline(*mkn, device)
+                rows.append(f"| {name} {fmt} MKN={mkn} | {device.name} | {r.bytes / 1e6:,.1f} "
+                            f"| {r.flops / 1e9:,.1f} | {r.seconds * 1e6:,.1f} | {r.bound} "
+                            f"| {g.seconds / r.seconds:.2f}x |")
+    return "\n".join(rows) + "\n"
+
+
 @functools.partial(jax.jit, static_argnames="case")
 def _gemm_excess(c, ref, a, b, keys, signs, *, case: GemmCase):
     """max(|C - C_ref| - tol) with tol = (2K + 8) 2**-24 (|A_q| @ |B_q|), ``A_q``, ``B_q``
@@ -737,6 +762,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.roofline:
         print(roofline_table(), end="")
+        print()
+        print(mosaic_roofline_table(), end="")
         return 0
     if args.dry_run:
         return run_dry()

@@ -41,6 +41,7 @@ from lowbit.core.qarray import quantize as _quantize
 
 __all__ = [
     "H200",
+    "B200",
     "Device",
     "Roofline",
     "quantized_bytes",
@@ -48,6 +49,8 @@ __all__ = [
     "matmul_roofline",
     "bf16_gemm_roofline",
     "gemm_roofline",
+    "blackwell_matmul_roofline",
+    "hopper_matmul_roofline",
     "roof",
 ]
 
@@ -61,9 +64,15 @@ class Device:
     bf16: float
     fp8: float
     fp32: float
+    fp4: float = 0.0  # native FP4 tensor cores (0: none)
 
 
 H200 = Device("NVIDIA H200 SXM", bandwidth=4.8e12, bf16=989e12, fp8=1979e12, fp32=67e12)
+# NVIDIA B200 in an HGX system at 1,000 W, dense (NVIDIA's Blackwell figures, as tabulated at
+# glennklockwood.com/garden/processors/B200: BF16 2,250, FP8 / FP6 4,500, FP4 9,000 TFLOP/s,
+# FP32 80; the datasheet's figures twice these are with 2:4 sparsity); HBM3e 8 TB/s.
+B200 = Device("NVIDIA B200 (HGX)", bandwidth=8e12, bf16=2250e12, fp8=4500e12, fp32=80e12,
+              fp4=9000e12)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,3 +155,29 @@ def gemm_roofline(m: int, k: int, n: int, a: str | None, b: str | None, *,
     if b is not None:
         r = quantize_roofline((k, n), b, 0, hadamard=hadamard, device=device) + r
     return r
+
+
+def blackwell_matmul_roofline(m: int, k: int, n: int, fmt: str, *, out_itemsize: int = 4,
+                              device: Device = B200) -> Roofline:
+    """``pallas_kernels.blackwell_matmul``: ``A [m, k] @ B [n, k]^T`` both in ``fmt``, read
+    as lowbit packs them (codes, one scale byte per block, NVFP4's tensor scales), ``C``
+    written in ``out_itemsize`` bytes; ``2 m n k`` flops at the native block-scaled MMA's
+    peak (FP4 for MXFP4 / NVFP4, FP8 for MXFP8)."""
+    nbytes = quantized_bytes((m, k), fmt, 1) + quantized_bytes((n, k), fmt, 1)
+    peak = device.fp4 if _formats.get(fmt).elem.bits == 4 else device.fp8
+    if not peak:
+        raise ValueError(f"{device.name} has no native rate for {fmt}")
+    return roof(nbytes + out_itemsize * m * n, 2 * m * n * k, peak, device)
+
+
+def hopper_matmul_roofline(m: int, k: int, n: int, fmt: str, *, out_itemsize: int = 4,
+                           device: Device = H200) -> Roofline:
+    """``pallas_kernels.hopper_matmul`` as it is built: FP8 ``wgmma`` on E4M3 / E5M2 codes
+    (FP4 and FP6 decoded to one byte a code by its wrapper, NVFP4's blocks of 16 each padded
+    to a K step of 32: twice the codes and the flops), one float32 scale per block of each
+    operand (the wrapper's), ``C`` written; ``2 m n k`` flops (NVFP4: doubled) at the FP8 peak.
+    The wrapper's decode pass is not counted."""
+    kk = 2 * k if _formats.get(fmt).is_nvfp4 else k
+    blocks = kk // 32
+    nbytes = (m + n) * kk + 4 * (m + n) * blocks + out_itemsize * m * n
+    return roof(nbytes, 2 * m * n * kk, device.fp8, device)

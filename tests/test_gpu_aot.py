@@ -149,3 +149,23 @@ def test_readme_roofline_table_is_the_one_gpu_check_prints():
         gpu_check.gemm_cases())
     assert len(rows) == n
     assert all(re.search(r"\| (memory|compute|mixed) \|", r) for r in rows)
+
+
+def test_mosaic_rooflines_count_packed_operands_at_the_native_peaks():
+    m = k = n = 8192
+    fp4 = m * k // 2 + m * k // 32  # codes + one E8M0 byte per 32
+    bw = roofline.blackwell_matmul_roofline(m, k, n, "mxfp4")
+    assert bw.bytes == 2 * fp4 + 4 * m * n and bw.flops == 2 * m * n * k
+    assert bw.bound == "compute" and bw.seconds == pytest.approx(2 * m * n * k / 9000e12)
+    fp8 = roofline.blackwell_matmul_roofline(m, k, n, "mxfp8_e4m3")
+    assert fp8.seconds == pytest.approx(2 * m * n * k / 4500e12)  # FP8's peak, not FP4's
+    hop = roofline.hopper_matmul_roofline(m, k, n, "nvfp4")  # blocks of 16 padded to 32
+    assert hop.flops == 2 * m * n * (2 * k)
+    assert hop.bytes == 2 * (m * 2 * k) + 4 * 2 * m * (2 * k // 32) + 4 * m * n
+    with pytest.raises(ValueError, match="no native rate for mxfp4"):
+        roofline.blackwell_matmul_roofline(m, k, n, "mxfp4", device=roofline.H200)
+
+
+def test_readme_mosaic_roofline_table_is_the_one_gpu_check_prints():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert gpu_check.mosaic_roofline_table() in readme, "README's Mosaic roofline table is stale"
