@@ -83,7 +83,7 @@ import numpy as np
 
 from lowbit.core.qarray import QArray
 from lowbit.core.scales import pow2_tensor_amax
-from lowbit.io.safetensors import as_numpy, linear_codes, linear_float, write_hf_directory
+from lowbit.io.safetensors import engine_tensors, linear_codes, write_hf_directory
 
 __all__ = [
     "write_compressed_tensors",
@@ -239,33 +239,12 @@ def compressed_tensors_state(
 
     Returns ``(tensors, quantization_config)``; see the module docstring for both.
     """
-    activation_amax = dict(activation_amax or {})
-    unknown = [m for m in activation_amax if not isinstance(weights.get(m), QArray)]
-    if unknown:
-        raise ValueError(f"{ENGINE}: activation_amax names modules that are no quantized "
-                         f"weights: {unknown}")
-    out: dict[str, np.ndarray] = {}
+    out, keys, floats = engine_tensors(
+        ENGINE, weights, tensors, activation_amax, layout,
+        lambda module, w, amax: _quantized(module, w, layout, amax, mx_activations))
     groups: dict[tuple[str, bool], list[str]] = {}
-    floats = []
-    for module, w in weights.items():
-        if isinstance(w, QArray):
-            got, key = _quantized(module, w, layout, activation_amax.get(module),
-                                  mx_activations)
-            groups.setdefault(key, []).append(module)
-            out.update(got)
-        else:
-            out[f"{module}.weight"] = linear_float(module, w, layout=layout, engine=ENGINE)
-            floats.append(module)
-    if not groups:
-        raise ValueError(f"{ENGINE}: no quantized module among the weights (give QArrays)")
-    for name, x in (tensors or {}).items():
-        if name in out:
-            raise ValueError(f"{ENGINE}: tensor {name!r} is also written for a module in "
-                             "weights; give it once")
-        if isinstance(x, QArray):
-            raise ValueError(f"{ENGINE}: tensor {name!r} is a QArray; quantized linear weights "
-                             "go in weights=, by module name")
-        out[name] = as_numpy(name, x)
+    for module, key in keys.items():
+        groups.setdefault(key, []).append(module)
     config_groups = {}
     for i, ((fmt, acts), modules) in enumerate(groups.items()):
         config_groups[f"group_{i}"] = {

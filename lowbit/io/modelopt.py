@@ -68,7 +68,7 @@ import ml_dtypes
 import numpy as np
 
 from lowbit.core.qarray import QArray
-from lowbit.io.safetensors import as_numpy, linear_codes, linear_float, write_hf_directory
+from lowbit.io.safetensors import engine_tensors, linear_codes, write_hf_directory
 
 __all__ = ["write_modelopt", "modelopt_state", "FORMATS", "HF_QUANT_CONFIG"]
 
@@ -176,32 +176,11 @@ def modelopt_state(
 
     Returns ``(tensors, hf_quant_config, quantization_config)``.
     """
-    activation_amax = dict(activation_amax or {})
-    unknown = [m for m in activation_amax if not isinstance(weights.get(m), QArray)]
-    if unknown:
-        raise ValueError(f"{ENGINE}: activation_amax names modules that are no quantized "
-                         f"weights: {unknown}")
-    out: dict[str, np.ndarray] = {}
-    layers: dict[str, dict] = {}
-    floats = []
-    for module, w in weights.items():
-        if isinstance(w, QArray):
-            got, algo = _quantized(module, w, layout, activation_amax.get(module))
-            layers[module] = {"quant_algo": algo, "group_size": FORMATS[w.format_name]}
-            out.update(got)
-        else:
-            out[f"{module}.weight"] = linear_float(module, w, layout=layout, engine=ENGINE)
-            floats.append(module)
-    if not layers:
-        raise ValueError(f"{ENGINE}: no quantized module among the weights (give QArrays)")
-    for name, x in (tensors or {}).items():
-        if name in out:
-            raise ValueError(f"{ENGINE}: tensor {name!r} is also written for a module in "
-                             "weights; give it once")
-        if isinstance(x, QArray):
-            raise ValueError(f"{ENGINE}: tensor {name!r} is a QArray; quantized linear weights "
-                             "go in weights=, by module name")
-        out[name] = as_numpy(name, x)
+    out, algos, floats = engine_tensors(
+        ENGINE, weights, tensors, activation_amax, layout,
+        lambda module, w, amax: _quantized(module, w, layout, amax))
+    layers = {m: {"quant_algo": algo, "group_size": FORMATS[weights[m].format_name]}
+              for m, algo in algos.items()}
     quant: dict[str, Any] = {"quant_algo": None, "kv_cache_quant_algo": None}
     kinds = {tuple(sorted(c.items())) for c in layers.values()}
     if len(kinds) > 1:

@@ -544,6 +544,44 @@ def linear_float(module: str, w, *, layout: str, engine: str) -> np.ndarray:
     return np.ascontiguousarray(a.T) if layout == "lowbit" else a
 
 
+def engine_tensors(engine: str, weights: Mapping[str, Any], tensors, activation_amax,
+                   layout: str, quantized):
+    """The tensors of a serving engine's checkpoint (the compressed-tensors and ModelOpt
+    writers'): ``(out, keys, floats)``. Each QArray in ``weights`` (linear module name ->
+    QArray or float array) becomes ``quantized(module, q, amax) -> (its tensors, key)`` (``amax``
+    the module's entry in ``activation_amax`` or None), ``keys`` its key by module; a float
+    weight becomes ``<module>.weight`` (``floats`` lists them); ``tensors`` (every other tensor by
+    name) are added as they are. A ValueError names ``engine`` and the module or tensor for an
+    amax of a module that is no quantized weight, no quantized module at all, a tensor given
+    twice, or a QArray among ``tensors``."""
+    activation_amax = dict(activation_amax or {})
+    unknown = [m for m in activation_amax if not isinstance(weights.get(m), QArray)]
+    if unknown:
+        raise ValueError(f"{engine}: activation_amax names modules that are no quantized "
+                         f"weights: {unknown}")
+    out: dict[str, np.ndarray] = {}
+    keys: dict[str, Any] = {}
+    floats = []
+    for module, w in weights.items():
+        if isinstance(w, QArray):
+            got, keys[module] = quantized(module, w, activation_amax.get(module))
+            out.update(got)
+        else:
+            out[f"{module}.weight"] = linear_float(module, w, layout=layout, engine=engine)
+            floats.append(module)
+    if not keys:
+        raise ValueError(f"{engine}: no quantized module among the weights (give QArrays)")
+    for name, x in (tensors or {}).items():
+        if name in out:
+            raise ValueError(f"{engine}: tensor {name!r} is also written for a module in "
+                             "weights; give it once")
+        if isinstance(x, QArray):
+            raise ValueError(f"{engine}: tensor {name!r} is a QArray; quantized linear weights "
+                             "go in weights=, by module name")
+        out[name] = as_numpy(name, x)
+    return out, keys, floats
+
+
 def write_hf_directory(
     path: str | os.PathLike,
     tensors: Mapping[str, np.ndarray],
