@@ -26,6 +26,9 @@ from lowbit.gemm.implementation import resolve
 
 __all__ = [
     "TRITON_CUSTOM_CALL_TARGETS",
+    "MOSAIC_CUSTOM_CALL_TARGETS",
+    "TRITON_EXPORT_DEVICE",
+    "abstract_gpu_mesh",
     "export_for_cuda",
     "on_gpu",
     "select_implementation",
@@ -41,6 +44,8 @@ __all__ = [
 # later; "triton_kernel_call" on older releases. Disabling a check for a target that does not
 # occur is harmless, so both are listed.
 TRITON_CUSTOM_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call")
+# The custom-call target of a Pallas Mosaic GPU kernel.
+MOSAIC_CUSTOM_CALL_TARGETS = ("mosaic_gpu_v2", "mosaic_gpu")
 
 
 def format_unsupported(fmt) -> str | None:
@@ -80,18 +85,45 @@ def select_implementation(
     return "xla"
 
 
-def export_for_cuda(fn: Callable, *arg_specs, verify: bool = True) -> jax.export.Exported:
+# The GPU that export_for_cuda lowers for unless told: an Ada L40 (sm_89, FP8 tensor cores,
+# neither wgmma nor tcgen05), where lowbit's GEMMs lower the Triton kernels.
+TRITON_EXPORT_DEVICE = "NVIDIA L40"
+
+
+def abstract_gpu_mesh(device_kind: str):
+    """A one-device ``jax.sharding.AbstractMesh`` (axis ``"x"``) of an abstract GPU of
+    ``device_kind`` (e.g. ``"NVIDIA H100 80GB HBM3"``): enter it with
+    ``jax.sharding.use_abstract_mesh`` to trace and lower for that GPU without one. jax 0.11
+    and later need it to lower a Pallas Triton kernel on a machine with no GPU; Mosaic GPU and
+    ``lowbit.gemm.implementation.gpu_arch`` read the GPU's compute capability from it."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None,
+                                         platform="gpu")
+    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+
+
+def export_for_cuda(fn: Callable, *arg_specs, verify: bool = True,
+                    device_kind: str = TRITON_EXPORT_DEVICE) -> jax.export.Exported:
     """``jax.export`` of ``fn`` for CUDA (works on a CPU-only machine).
 
-    Only the serialization check of the Triton custom call is disabled; every other check
-    (and the full Pallas-to-Triton lowering) runs. With ``verify``, each Triton module is also
-    run through the MLIR verifier (jax 0.10 does not: it ships the module unverified to XLA,
-    so a power-of-two size or type error would otherwise surface only when a GPU compiles it).
-    Verification hooks a jax internal; where that internal is absent it is skipped.
+    Traced and lowered under :func:`abstract_gpu_mesh` of ``device_kind``: the GPU it is
+    exported for, which picks the kernels of ``lowbit.dot_general(..., implementation=
+    "pallas")`` (``lowbit.gemm.implementation``): the default (:data:`TRITON_EXPORT_DEVICE`)
+    lowers the Triton kernels; an H100 or B200 kind lowers the Mosaic GPU matmuls where they
+    take the GEMM. (jax 0.10's Triton lowering compiles for compute capability 9.0 whatever the
+    device; jax 0.11 and later for the device's.)
+
+    Only the serialization checks of the Triton and Mosaic GPU custom calls are disabled;
+    every other check (and the full Pallas lowering) runs. With ``verify``, each Triton module
+    is also run through the MLIR verifier (jax 0.10 does not: it ships the module unverified
+    to XLA, so a power-of-two size or type error would otherwise surface only when a GPU
+    compiles it). Verification hooks a jax internal; where that internal is absent it is
+    skipped.
     """
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TRITON_CUSTOM_CALL_TARGETS]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t)
+              for t in TRITON_CUSTOM_CALL_TARGETS + MOSAIC_CUSTOM_CALL_TARGETS]
     export = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)
-    with _verifying_triton_modules(verify):
+    with _verifying_triton_modules(verify), \
+            jax.sharding.use_abstract_mesh(abstract_gpu_mesh(device_kind)):
         return export(*arg_specs)
 
 

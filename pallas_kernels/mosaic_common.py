@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import itertools
 import os
 import re
@@ -60,9 +61,11 @@ __all__ = [
     "mosaic_dump",
     "compile_with_dump",
     "kernel_stats",
+    "compile_tagged",
     "compile_matmul",
     "kernel_name_suffix",
     "tile_kernel",
+    "load",
 ]
 
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -299,6 +302,19 @@ def tile_kernel(body: Callable, *, shape: tuple[int, int], block: tuple[int, int
     )
 
 
+# Whether plgpu.load takes an index (jax 0.10: load(src, idx, *, layout); jax 0.12 dropped
+# it: load(src, *, layout), the ref sliced with .at instead).
+_LOAD_TAKES_IDX = "idx" in inspect.signature(plgpu.load).parameters
+
+
+def load(ref, layout):
+    """``plgpu.load`` of the whole ``ref`` (slice it with ``.at`` first) in ``layout``, on jax
+    0.10 (which takes an index too) through 0.12 (which does not)."""
+    if _LOAD_TAKES_IDX:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
 # --------------------------------------------------------------------------------------------
 # Device-less compilation
 
@@ -350,12 +366,14 @@ def mosaic_dump(directory: str):
 
 class MosaicBuild(NamedTuple):
     """What :func:`compile_with_dump` read: Mosaic GPU's PTX and ``ptxas -v`` log, the seconds
-    to lower and compile, and how many kernels XLA launches in all (its fusions included)."""
+    to lower and compile, how many kernels XLA launches in all (its fusions included) and how
+    many of them are Pallas Triton kernels."""
 
     ptx: str
     ptxas_log: str
     seconds: float
     xla_kernels: int
+    triton_kernels: int = 0
 
 
 # The target of the first Mosaic GPU compile of this process (see compile_with_dump).
@@ -402,7 +420,7 @@ def compile_with_dump(fn: Callable, shapes, target: str) -> MosaicBuild:
         # nvidia-cuda-nvcc-cu12 12.9 accepts ("Unsupported .version 9.0; current version is
         # '8.8'"), so the log of Mosaic GPU's own ptxas is the one read here.
         log = "\n".join(p.read_text() for p in sorted(Path(d).rglob("*.ptxas")))
-    return MosaicBuild(ptx, log, seconds, len(kernels))
+    return MosaicBuild(ptx, log, seconds, len(kernels), sum(k.pallas for k in kernels))
 
 
 def kernel_stats(build: MosaicBuild, tag: str) -> dict:
@@ -428,26 +446,33 @@ def kernel_stats(build: MosaicBuild, tag: str) -> dict:
         compile_s=round(build.seconds, 2),
         ptxas_ms=float(ptxas_ms[-1]) if ptxas_ms else None,
         xla_kernels=build.xla_kernels,
+        triton_kernels=build.triton_kernels,
     )
+
+
+def compile_tagged(fn: Callable, shapes, target: str) -> tuple[MosaicBuild, dict]:
+    """Compile ``fn`` (whose Mosaic GPU kernel is named with :func:`kernel_name_suffix`) on
+    arguments of ``shapes`` for the device-less ``target``: ``(build, stats)``, Mosaic GPU's
+    dump (:func:`compile_with_dump`) and the ptxas numbers of the kernel
+    (:func:`kernel_stats`).
+
+    The kernel is named apart from every other compile of this process: Mosaic GPU keeps the
+    kernels it compiled and would neither compile nor dump the same one again, and the suffix
+    finds this kernel's numbers in the ptxas log.
+    """
+    tag = f"_aot{next(_REPORTS)}"
+    token = _NAME_SUFFIX.set(tag)
+    try:
+        build = compile_with_dump(fn, shapes, target)
+    finally:
+        _NAME_SUFFIX.reset(token)
+    return build, kernel_stats(build, tag)
 
 
 def compile_matmul(matmul: Callable, f: BlockFormat, m: int, n: int, k: int, target: str,
                    **kw) -> tuple[MosaicBuild, dict]:
     """Compile a kernel's public ``[m, k] x [n, k]`` matmul in format ``f`` for the
-    device-less ``target``: ``(build, stats)``, Mosaic GPU's dump (:func:`compile_with_dump`)
-    and the ptxas numbers of the kernel (:func:`kernel_stats`). ``kw``: the matmul's other
-    keyword arguments (``out_dtype``, blocks); ``fmt`` is ``f.name``.
-
-    The kernel is named apart from every other compile of this process (it appends
-    :func:`kernel_name_suffix` to its name): Mosaic GPU keeps the kernels it compiled and
-    would neither compile nor dump the same one again, and the suffix finds this kernel's
-    numbers in the ptxas log.
-    """
-    tag = f"_aot{next(_REPORTS)}"
+    device-less ``target`` (:func:`compile_tagged`). ``kw``: the matmul's other keyword
+    arguments (``out_dtype``, blocks); ``fmt`` is ``f.name``."""
     fn = positional_matmul(matmul, fmt=f.name, **kw)
-    token = _NAME_SUFFIX.set(tag)
-    try:
-        build = compile_with_dump(fn, operand_shapes(f, m, n, k), target)
-    finally:
-        _NAME_SUFFIX.reset(token)
-    return build, kernel_stats(build, tag)
+    return compile_tagged(fn, operand_shapes(f, m, n, k), target)

@@ -132,11 +132,11 @@ def fraction_off(c, ref, qa, qb, k) -> float:
 
 _CHILD = """
 import importlib, json, sys
-module = importlib.import_module(sys.argv[1])
+report = getattr(importlib.import_module(sys.argv[1]), sys.argv[2])
 out = {}
 for key, (args, kwargs) in json.load(sys.stdin).items():
     try:
-        out[key] = module.compile_report(*args, **kwargs)
+        out[key] = report(*args, **kwargs)
     except Exception as e:  # reported per compile, read by the test that wants it
         out[key] = {"error": f"{type(e).__name__}: {e}"}
 print("REPORTS " + json.dumps(out))
@@ -154,12 +154,15 @@ class Reports(dict):
         return r
 
 
-def compile_reports(module: str, calls: dict[str, tuple[tuple, dict]]) -> Reports:
-    """``module.compile_report(*args, **kwargs)`` for each ``id: (args, kwargs)`` of
-    ``calls`` (JSON values: dtypes by name), in order, in one fresh Python process."""
+def compile_reports(module: str, calls: dict[str, tuple[tuple, dict]],
+                    function: str = "compile_report") -> Reports:
+    """``module.<function>(*args, **kwargs)`` (``compile_report`` by default) for each
+    ``id: (args, kwargs)`` of ``calls`` (JSON values: dtypes by name), in order, in one fresh
+    Python process."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", _CHILD, module], input=json.dumps(calls),
+    run = subprocess.run([sys.executable, "-c", _CHILD, module, function],
+                         input=json.dumps(calls),
                          capture_output=True, text=True, env=env, timeout=900)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("REPORTS ")]
     if run.returncode or not lines:

@@ -303,8 +303,8 @@ def _kernel_call(a, b, sa, sb, t, *, f: WgmmaFormat, config: Config, out_dtype):
                 ks = pl.ds(j * K_STEP, K_STEP)
                 mma = functools.partial(_block_product, a_smem.at[:, ks], b_smem.at[:, ks])
                 part = pl.run_scoped(mma, plgpu.ACC((p.bm, p.bn), jnp.float32))
-                s_a = plgpu.load(sa_smem.at[j], (), layout=plgpu.Layout.WGMMA.reduce(1))
-                s_b = plgpu.load(sb_smem.at[j], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                s_a = mc.load(sa_smem.at[j], plgpu.Layout.WGMMA.reduce(1))
+                s_b = mc.load(sb_smem.at[j], plgpu.Layout.WGMMA.reduce(0))
                 acc = acc + part * lax.broadcast_in_dim(
                     s_a, (p.bm, p.bn), [0]
                 ) * lax.broadcast_in_dim(s_b, (p.bm, p.bn), [1])

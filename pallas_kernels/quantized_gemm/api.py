@@ -15,6 +15,12 @@ Implementations (``implementation=``, the same vocabulary as every op):
   traced. ``"pallas"`` warns when the specs have no kernel (None falls back silently);
 - ``interpret=True`` forces the kernel path in Pallas interpret mode (CPU testing).
 
+On CUDA the kernel path is Mosaic GPU's block-scaled matmul where the target GPU has one
+for the specs (Blackwell's ``tcgen05.mma``, Hopper's FP8 ``wgmma``:
+:mod:`pallas_kernels.quantized_gemm.mosaic`), else the Triton kernels; the choice is made
+when the CUDA branch is traced, from the compute capability being compiled for
+(``lowbit.gemm.implementation.gpu_arch``) and the implementation's ``gpu_kernels``.
+
 A pair of specs the kernels cannot take (:func:`kernel_supports`: per-tensor FP8, 2-D tiles,
 a 1-D block that is not the format's own, both operands high precision) runs
 the emulation on every platform.
@@ -44,9 +50,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lowbit.gemm.implementation import Implementation, resolve
+from lowbit.gemm.implementation import Implementation, gpu_arch, resolve
 from lowbit.gemm.recipes import QuantSpec
 from pallas_kernels.quantized_gemm.kernel import kernel_supports, quantized_gemm_pallas
+from pallas_kernels.quantized_gemm.mosaic import family, mosaic_supports, quantized_gemm_mosaic
 from pallas_kernels.quantized_gemm.reference import quantized_gemm_reference
 
 __all__ = ["quantized_gemm", "quantized_gemm_reference", "kernel_supports"]
@@ -64,6 +71,26 @@ def _key_data(key, name: str):
             f"{key.dtype}{key.shape}"
         )
     return key
+
+
+def _mosaic_family(impl: Implementation, spec_a, spec_b) -> str | None:
+    """The Mosaic GPU kernel family this GEMM runs on in the CUDA branch (None: Triton), by
+    the compute capability being compiled for (``lowbit.gemm.implementation.gpu_arch``, read
+    when the branch is traced) and ``impl.gpu_kernels``; ``"mosaic"`` warns where it falls
+    back."""
+    if impl.gpu_kernels == "triton":
+        return None
+    arch = gpu_arch()
+    fam = family(arch)
+    why = f"compute capability {arch} has no Mosaic GPU kernel here" if fam is None else None
+    if fam is not None:
+        ok, why = mosaic_supports(fam, spec_a, spec_b)
+        if ok:
+            return fam
+    if impl.gpu_kernels == "mosaic":
+        warnings.warn(f"quantized_gemm: the Triton kernels instead of Mosaic GPU: {why}",
+                      stacklevel=3)
+    return None
 
 
 def quantized_gemm(
@@ -135,6 +162,9 @@ def quantized_gemm(
         return xla(a, b, key_a, key_b, signs)
 
     def pallas(a, b, key_a, key_b, signs):
+        fam = None if interpret else _mosaic_family(impl, spec_a, spec_b)
+        if fam is not None:
+            return quantized_gemm_mosaic(a, b, key_a, key_b, fam=fam, signs=signs, **common)
         return quantized_gemm_pallas(a, b, key_a, key_b, signs=signs, interpret=interpret,
                                      **common)
 
