@@ -15,7 +15,16 @@ with no GPU):
 - one training step (``experiments.trainer.Trainer.step``: forward, backward, AdamW) of the
   ``s`` GPT under ``none``, ``mxfp8``, ``nvfp4`` and ``quartet`` with
   ``quant.implementation=pallas``, whose Pallas kernels are reported like the others and
-  whose ``memory_analysis()`` gives what FQT costs in device memory.
+  whose ``memory_analysis()`` gives what FQT costs in device memory (traced with no mesh in
+  effect, so its GEMMs lower the Triton kernels);
+- the Mosaic GPU matmuls (``pallas_kernels.quantized_gemm.mosaic``): ``quantized_gemm`` of
+  both operands in each format its family takes, compiled under the target's mesh so that the
+  dispatch picks the target's kernel as on that GPU (B200: ``blackwell_matmul``'s block-scaled
+  ``tcgen05.mma``; H100: ``hopper_matmul``'s FP8 ``wgmma``), at the prefill-like and
+  decode-like shapes; the MMA instructions of its PTX and ptxas's numbers from Mosaic GPU's
+  own dump. Mosaic GPU runs ptxas for one target per process, so each target's are compiled
+  in a fresh process (``--mosaic-child``). ``--mosaic-only`` compiles these alone and puts
+  them into the existing report.
 
 It writes ``pallas_kernels/aot_report.md`` (tables) and ``pallas_kernels/aot_report.json``
 (the rows, read by ``tests/test_gpu_aot.py``: the configurations there must be those
@@ -29,7 +38,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
+import os
+import subprocess
 import sys
 import time
 import warnings
@@ -44,12 +56,14 @@ from pallas_kernels.block_scaled_matmul.kernel import matmul_pallas
 from pallas_kernels.grouped_matmul import check as grouped_check
 from pallas_kernels.grouped_matmul.api import run_kernel as grouped_kernel
 from pallas_kernels.quantized_gemm.kernel import kernel_configs
+from pallas_kernels.quantized_gemm.mosaic import FAMILIES, tile_multiples
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "pallas_kernels" / "aot_report.md"
 REPORT_JSON = ROOT / "pallas_kernels" / "aot_report.json"
 STEP_SIZE = "s"
 STEP_RECIPES = ("none", "mxfp8", "nvfp4", "quartet")
+MOSAIC_FAMILY = {"b200": "blackwell", "h100": "hopper"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +207,85 @@ def step_rows(s: aot.Session, recipe: str, failures: list):
     return rows, summary
 
 
+def kernel_module(target: str):
+    """The Mosaic GPU kernel package that ``quantized_gemm`` dispatches to on ``target``."""
+    return importlib.import_module(FAMILIES[MOSAIC_FAMILY[target]][0])
+
+
+def mosaic_cases(target: str) -> list[tuple[str, int, int, int]]:
+    """``(fmt, m, k, n)`` of every Mosaic GPU compile for ``target``: each format of its
+    family's kernel, at ``gpu_check``'s prefill-like and decode-like shapes."""
+    formats = kernel_module(target).FORMATS
+    return [(fmt, *mkn) for mkn in (gpu_check.PREFILL, gpu_check.DECODE) for fmt in formats]
+
+
+def expected_mma(target: str, fmt: str) -> str:
+    """The MMA instruction a ``fmt`` kernel on ``target`` must hold in its PTX (a prefix)."""
+    f = kernel_module(target).FORMATS[fmt]
+    if target == "b200":
+        return f"tcgen05.mma.cta_group::1.{f.ptx_kind}"
+    return f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{f.ptx_type}.{f.ptx_type}"
+
+
+def _mosaic_child(target: str) -> int:
+    """Compile ``target``'s Mosaic GPU cases in this process; print their rows as JSON."""
+    from pallas_kernels.quantized_gemm.mosaic_report import compile_gemm_report
+
+    fam, mod = MOSAIC_FAMILY[target], kernel_module(target)
+    rows, failures = [], []
+    for fmt, m, k, n in mosaic_cases(target):
+        case = f"mosaic gemm {fmt} MKN={(m, k, n)}"
+        try:
+            r = compile_gemm_report(fmt, m, k, n, target=target)
+        except Exception as e:
+            failures.append(f"{target}: {case}: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        tm, tn, tk = tile_multiples(fam, fmt)
+        pad = lambda x, t: -(-x // t) * t  # noqa: E731
+        cfg = mod.get_default(fmt, pad(m, tm), pad(n, tn), pad(k, tk))
+        rows.append(dict(
+            section="mosaic", case=case, kernel=r["kernel"].split("_aot")[0], fmt=fmt,
+            config=str(cfg), target=target, registers=r["registers"],
+            spill_stores=r["spill_stores"], spill_loads=r["spill_loads"], stack=r["stack"],
+            shared_memory=mod.smem_bytes(cfg, fmt), mma=r["mma"],
+            expected_mma=expected_mma(target, fmt), xla_kernels=r["xla_kernels"],
+            triton_kernels=r["triton_kernels"],
+        ))
+    print("MOSAIC " + json.dumps(dict(rows=rows, failures=failures)))
+    return 0
+
+
+def mosaic_rows(target: str, failures: list) -> list[dict]:
+    """:func:`_mosaic_child` for ``target`` in a fresh process: its rows (its failures join
+    ``failures``)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_aot", "--mosaic-child", target],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("MOSAIC ")]
+    if run.returncode or not lines:
+        failures.append(f"{target}: the Mosaic GPU compiles: {run.stderr[-600:]}")
+        return []
+    out = json.loads(lines[-1].removeprefix("MOSAIC "))
+    failures += out["failures"]
+    return out["rows"]
+
+
+def mosaic_table(rows: list[dict]) -> str:
+    lines = [
+        "| case | kernel | configuration | target | MMA in the PTX | registers | spills (B, "
+        "store/load) | shared memory (B) | Triton kernels beside it |",
+        "|---|---|---|---|---|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        spill = f"{r['spill_stores']}/{r['spill_loads']}"
+        spill = f"**{spill}**" if r["spill_stores"] or r["spill_loads"] else spill
+        mma = "<br>".join(f"`{m}`" for m in r["mma"])
+        lines.append(f"| {r['case']} | {r['kernel']} | {r['config']} | {r['target']} | {mma} "
+                     f"| {r['registers']} | {spill} | {r['shared_memory']} "
+                     f"| {r['triton_kernels']} |")
+    return "\n".join(lines) + "\n"
+
+
 def _mb(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
@@ -236,7 +329,8 @@ def _kernel_table(rows: list[dict]) -> str:
 def render(data: dict) -> str:
     """The markdown report of the JSON report ``data``."""
     rows, steps, failures = data["rows"], data["steps"], data["failures"]
-    spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    mosaic = data.get("mosaic", [])
+    spilling = [r for r in rows + mosaic if r["spill_stores"] or r["spill_loads"]]
     head = [
         "# Pallas kernels compiled for a device-less H100 and B200",
         "",
@@ -247,8 +341,8 @@ def render(data: dict) -> str:
         "checks that the configurations below are those `gpu_check` runs and `get_default` "
         "returns.",
         "",
-        f"{len(rows)} Pallas kernel launches, {len(spilling)} spilling, {len(failures)} "
-        "compile failures.",
+        f"{len(rows)} Pallas kernel launches, {len(mosaic)} Mosaic GPU matmuls, "
+        f"{len(spilling)} spilling, {len(failures)} compile failures.",
         "",
     ]
     head += [f"- FAILED: {f}" for f in failures]
@@ -269,6 +363,15 @@ def render(data: dict) -> str:
         "",
         *xla,
         "",
+        "## Mosaic GPU matmuls",
+        "",
+        "`quantized_gemm(..., implementation=\"pallas\")` with both operands in one format, "
+        "compiled under each target's mesh, where the dispatch picks the target's Mosaic GPU "
+        "kernel (B200: `blackwell_matmul`, H100: `hopper_matmul`); the operands' quantization "
+        "runs in XLA around it. MMA instructions from Mosaic GPU's PTX, registers and spills "
+        "from its `ptxas -v` log, shared memory from the kernel's scratch.",
+        "",
+        mosaic_table(mosaic),
         "## Kernels",
         "",
         _kernel_table(rows),
@@ -286,6 +389,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-steps", action="store_true", help="skip the training steps")
     p.add_argument("--render", action="store_true",
                    help="only write the markdown again from the JSON report (no compiling)")
+    p.add_argument("--mosaic-only", action="store_true",
+                   help="compile the Mosaic GPU matmuls alone, into the existing report")
+    p.add_argument("--mosaic-child", metavar="TARGET", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.render:
         REPORT.write_text(render(json.loads(REPORT_JSON.read_text())))
@@ -295,9 +401,20 @@ def main(argv=None) -> int:
     if not ok:
         print(f"gpu_aot: {why}; `make gpu-aot` installs it in .venv-gpu")
         return 2
+    if args.mosaic_child:
+        return _mosaic_child(args.mosaic_child)
     targets = args.targets.split(",")
-    rows, steps, failures = [], [], []
+    rows, steps, failures, mosaic = [], [], [], []
     t0 = time.perf_counter()
+    for target in targets:
+        mosaic += mosaic_rows(target, failures)
+        print(f"{target}: Mosaic GPU matmuls compiled ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
+    if args.mosaic_only:
+        data = json.loads(REPORT_JSON.read_text())
+        data["failures"] = [f for f in data["failures"] if "Mosaic" not in f] + failures
+        write_report(data | dict(mosaic=mosaic))
+        return _summary(mosaic, failures, t0)
     for target in targets:
         with aot.session(target) as s:
             rows += kernel_rows(s, failures)
@@ -308,17 +425,21 @@ def main(argv=None) -> int:
                 if summary is not None:
                     steps.append(summary)
                 print(f"{target}: step {recipe} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    rows = [dataclasses.asdict(r) for r in rows]
     write_report(dict(jax=jax.__version__, targets=targets, failures=failures, steps=steps,
-                      rows=[dataclasses.asdict(r) for r in rows]))
-    spilling = [r for r in rows if r.spills]
+                      rows=rows, mosaic=mosaic))
+    return _summary(rows + mosaic, failures, t0)
+
+
+def _summary(rows: list[dict], failures: list, t0: float) -> int:
+    spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
     for r in spilling:
-        print(f"SPILLS: {r.target} {r.case} {r.kernel} {r.config}: "
-              f"{r.spill_stores}/{r.spill_loads} B")
+        print(f"SPILLS: {r['target']} {r['case']} {r['kernel']} {r['config']}: "
+              f"{r['spill_stores']}/{r['spill_loads']} B")
     for f in failures:
         print(f"FAILED: {f}")
-    print(f"{len(rows)} Pallas kernel launches on {', '.join(targets)}: {len(spilling)} "
-          f"spilling, {len(failures)} failures; {REPORT.relative_to(ROOT)} written "
-          f"({time.perf_counter() - t0:.0f} s)")
+    print(f"{len(rows)} kernels: {len(spilling)} spilling, {len(failures)} failures; "
+          f"{REPORT.relative_to(ROOT)} written ({time.perf_counter() - t0:.0f} s)")
     return 1 if spilling or failures else 0
 
 
