@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo format-demo test test-slow test-interop bench gpu-aot lint clean
+.PHONY: venv demo format-demo test test-newest test-slow test-interop bench gpu-aot lint clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,26 @@ format-demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n 2 --durations=15
+
+# The suite on Python 3.12 (or newer) with the newest jax, jaxlib and flax that PyPI offers
+# (GPU machines ship jax 0.11 and newer), in its own venv; `make test` stays on Python 3.11 and
+# jax 0.10.2. PYTHON_NEWEST names the interpreter where none of these is found.
+NEWEST_VENV := .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
+NEWEST_STAMP := $(NEWEST_VENV)/.installed
+PYTHON_NEWEST ?= $(shell for p in python3.13 python3.12 $$(pyenv root 2>/dev/null)/versions/3.1[23]*/bin/python3; do $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { echo $$p; break; }; done)
+
+$(NEWEST_STAMP): pyproject.toml
+	@test -n "$(PYTHON_NEWEST)" || { echo "make test-newest needs Python 3.12 or newer: set PYTHON_NEWEST=/path/to/python3.12"; exit 2; }
+	test -x $(NEWEST_PY) || $(PYTHON_NEWEST) -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install -q --upgrade pip
+	$(NEWEST_PY) -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev]"
+	$(NEWEST_PY) -c "import lowbit.core.native as n; n.main()"
+	touch $(NEWEST_STAMP)
+
+test-newest: $(NEWEST_STAMP)
+	$(NEWEST_PY) -c "import sys, jax, flax; print('Python', sys.version.split()[0], '| jax', jax.__version__, '| flax', flax.__version__)"
+	$(NEWEST_PY) -m pytest -q -n 2 --durations=15
 
 test-slow: $(STAMP)
 	LOWBIT_TEST_XLA_OPT=full $(PY) -m pytest -q -m slow
@@ -67,4 +87,4 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(GPU_VENV) $(NEWEST_VENV) .pytest_cache build *.egg-info

@@ -98,7 +98,8 @@ def abstract_gpu_mesh(device_kind: str):
     ``lowbit.gemm.implementation.gpu_arch`` read the GPU's compute capability from it."""
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None,
                                          platform="gpu")
-    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    return jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                     abstract_device=device)
 
 
 def export_for_cuda(fn: Callable, *arg_specs, verify: bool = True,

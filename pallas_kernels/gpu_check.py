@@ -56,7 +56,7 @@ from lowbit.core.qarray import QArray
 from lowbit.core.qarray import quantize as lowbit_quantize
 from lowbit.gemm import recipes as lowbit_recipes
 from lowbit.gemm.operand import quantize_operand
-from pallas_kernels import roofline
+from pallas_kernels import mosaic_check, roofline
 from pallas_kernels._common import export_for_cuda, format_unsupported, on_gpu, time_fn
 from pallas_kernels.block_scaled_matmul import Config as MatmulConfig
 from pallas_kernels.block_scaled_matmul import block_scaled_matmul
@@ -542,6 +542,7 @@ def run_gpu(budget_s: float) -> int:
     _check_matmul(run)
     grouped_check.check_gpu(run)
     _check_gemms(run)
+    mosaic_check.check_gpu(run, (PREFILL, DECODE))
     failures, skipped = run.failures, run.skipped
     spent = time.perf_counter() - run.t_start
     print(f"\n{len(failures)} failed, {len(skipped)} skipped, {spent:.0f} s")
@@ -631,6 +632,7 @@ def run_dry() -> int:
                         f"{'ok' if ok else 'FAILED'} (max err {err:.1e})")
 
         _dry_check(failures, case.name, check)
+    mosaic_check.check_dry(failures, _dry_check)
     print(f"\n{len(failures)} failed, {time.perf_counter() - t_start:.0f} s")
     for name in failures:
         print(f"FAILED: {name}")

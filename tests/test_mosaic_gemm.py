@@ -265,3 +265,34 @@ def test_quantized_gemm_compiles_to_the_native_mma(target):
         assert re.search(PTX_FORMS[target], "\n".join(r["mma"])), (name, r["mma"])
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
         assert r["triton_kernels"] == 0, name
+
+
+# --------------------------------------------------------------------------------------------
+# gpu_check's Mosaic GPU section
+
+
+def test_gpu_checks_mosaic_section_runs_its_course(monkeypatch, capsys):
+    """``mosaic_check.check_gpu`` as on an H100, on this CPU: every quantized_gemm here runs
+    the emulation branch and the kernel alone is its XLA reference, so what is checked is the
+    section's own flow (operands, tolerance, timing, the line it prints per format), not the
+    kernel; and on a GPU without a Mosaic kernel it says both families are compiled only."""
+    from pallas_kernels import gpu_check, mosaic_check
+
+    run = gpu_check._GpuRun(budget_s=600)
+    mosaic_check.check_gpu(run, [])
+    out = capsys.readouterr().out
+    assert "blackwell: compiled only" in out and "hopper: compiled only" in out
+    shape = (16, 128, 64)
+    run.dot_time[shape] = 1e-3
+    monkeypatch.setattr(mosaic_check, "kernel",
+                        lambda fam: importlib.import_module(FAMILIES[fam][0]).reference)
+    monkeypatch.setattr(mosaic_check, "formats", lambda fam: ["mxfp6_e3m2", "nvfp4"])
+    monkeypatch.setattr(mosaic_check, "time_fn",  # one call, not gpu_check's 50 timed ones
+                        lambda fn, args: (jax.block_until_ready(fn(*args)), 1e-3)[1])
+    with jax.sharding.use_abstract_mesh(abstract_gpu_mesh(H100)):
+        mosaic_check.check_gpu(run, [shape])
+    out = capsys.readouterr().out
+    assert run.failures == [] and "blackwell: compiled only" in out
+    lines = [ln for ln in out.splitlines() if ln.startswith("mosaic hopper")]
+    assert len(lines) == 2
+    assert all(": ok (excess" in ln and "x its roofline" in ln for ln in lines), lines

@@ -62,7 +62,8 @@ from lowbit.core.qarray import undo_prescale
 from lowbit.gemm.operand import quantize_operand
 from lowbit.gemm.recipes import QuantSpec
 
-__all__ = ["FAMILIES", "family", "mosaic_supports", "quantized_gemm_mosaic", "tile_multiples"]
+__all__ = ["FAMILIES", "family", "mosaic_supports", "kernel", "kernel_operands",
+           "quantized_gemm_mosaic", "tile_multiples"]
 
 FAMILIES = {
     "blackwell": ("pallas_kernels.blackwell_matmul", "blackwell_block_scaled_matmul"),
@@ -138,9 +139,30 @@ def _pad(codes, scales, rows: int, k: int, bits: int, block: int):
     return codes, scales
 
 
-def _kernel(fam: str) -> Callable:
+def kernel(fam: str) -> Callable:
+    """Family ``fam``'s matmul (imported on first use)."""
     module, attr = FAMILIES[fam]
     return getattr(importlib.import_module(module), attr)
+
+
+def kernel_operands(a, b, key_a, key_b, *, spec_a: QuantSpec, spec_b: QuantSpec, fam: str,
+                    hadamard=None, signs=None) -> dict:
+    """The keyword arguments of family ``fam``'s matmul for ``a [M, K] @ b [K, N]``: both
+    operands quantized along K as the emulation quantizes them, codes and scales zero-padded
+    to the kernel's tiles (:func:`tile_multiples`), NVFP4's tensor scales, ``fmt``."""
+    qa = quantize_operand(a, spec_a, 1, 0, key_a, packed=True, hadamard=hadamard, signs=signs)
+    qb = quantize_operand(b, spec_b, 0, 1, key_b, packed=True, hadamard=hadamard, signs=signs)
+    fmt = spec_a.format
+    bits, block = qa.format.elem.bits, qa.block_shape[0]
+    tm, tn, tk = tile_multiples(fam, fmt)
+    k = qa.scales.shape[1] * block  # K as stored (already a multiple of the block)
+    kp = math.ceil(k / tk) * tk
+    a_codes, a_scales = _pad(qa.codes, qa.scales, math.ceil(a.shape[0] / tm) * tm, kp, bits,
+                             block)
+    b_codes, b_scales = _pad(qb.codes, qb.scales, math.ceil(b.shape[1] / tn) * tn, kp, bits,
+                             block)
+    return dict(a_codes=a_codes, a_scales=a_scales, b_codes=b_codes, b_scales=b_scales, fmt=fmt,
+                a_tensor_scale=qa.tensor_scale, b_tensor_scale=qb.tensor_scale)
 
 
 def quantized_gemm_mosaic(a, b, key_a, key_b, *, spec_a: QuantSpec, spec_b: QuantSpec,
@@ -149,21 +171,11 @@ def quantized_gemm_mosaic(a, b, key_a, key_b, *, spec_a: QuantSpec, spec_b: Quan
     """float32 ``[M, N]``: the GEMM on family ``fam``'s kernel (specs accepted by
     :func:`mosaic_supports`, checked by the caller). ``matmul``: a function with the kernel's
     signature in its place (the kernel's ``reference`` on a CPU)."""
-    (m, _), n = a.shape, b.shape[1]
-    qa = quantize_operand(a, spec_a, 1, 0, key_a, packed=True, hadamard=hadamard, signs=signs)
-    qb = quantize_operand(b, spec_b, 0, 1, key_b, packed=True, hadamard=hadamard, signs=signs)
-    fmt = spec_a.format
-    bits, block = qa.format.elem.bits, qa.block_shape[0]
-    tm, tn, tk = tile_multiples(fam, fmt)
-    k = qa.scales.shape[1] * block  # K as stored (already a multiple of the block)
-    kp = math.ceil(k / tk) * tk
-    a_codes, a_scales = _pad(qa.codes, qa.scales, math.ceil(m / tm) * tm, kp, bits, block)
-    b_codes, b_scales = _pad(qb.codes, qb.scales, math.ceil(n / tn) * tn, kp, bits, block)
-    matmul = _kernel(fam) if matmul is None else matmul
-    c = matmul(a_codes, a_scales, b_codes, b_scales, fmt=fmt, a_tensor_scale=qa.tensor_scale,
-               b_tensor_scale=qb.tensor_scale, out_dtype=jnp.float32)[:m, :n]
+    kw = kernel_operands(a, b, key_a, key_b, spec_a=spec_a, spec_b=spec_b, fam=fam,
+                         hadamard=hadamard, signs=signs)
+    matmul = kernel(fam) if matmul is None else matmul
+    c = matmul(**kw, out_dtype=jnp.float32)[: a.shape[0], : b.shape[1]]
     for spec in (spec_a, spec_b):  # the codes hold prescaled elements: undo each once
         if spec.prescale != 1.0:
             c = undo_prescale(c, spec.prescale)
     return c
-
