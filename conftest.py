@@ -90,7 +90,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # way), and at Linux's ``vm.max_map_count`` (65,530 by default) the next ``mmap`` inside XLA
 # fails: a segfault or an abort wherever XLA maps code next, which is where an executable is
 # compiled or loaded (seen inside the persistent compilation cache's write and read of a train
-# step). After a test module that leaves more than half the limit mapped, the jit caches are
+# step; reproduced alone: one jitted function compiled for 1,030 shapes, 63 mappings each,
+# stops at 64,780 mappings with "LLVM compilation error: Cannot allocate memory" and a
+# segfault in backend_compile_and_load). After a test module that leaves more than half the limit mapped, the jit caches are
 # cleared (``jax.clear_caches``), which unmaps the executables nothing else holds; later
 # modules recompile what they need (from the persistent cache where it has it).
 def _max_map_count() -> int:
