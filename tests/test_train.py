@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -23,8 +24,13 @@ from experiments import checkpoints, compare, metrics, trainer
 from experiments import data as data_lib
 from experiments.config import MeshConfig, RunConfig
 from experiments.configlib import ConfigError, load_config
-from pallas_kernels._common import TRITON_CUSTOM_CALL_TARGETS, export_for_cuda
+from pallas_kernels._common import (
+    MOSAIC_CUSTOM_CALL_TARGETS,
+    TRITON_CUSTOM_CALL_TARGETS,
+    export_for_cuda,
+)
 from pallas_kernels.quantized_gemm import kernel_supports
+from pallas_kernels.quantized_gemm.mosaic import mosaic_supports
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.py"))
@@ -320,16 +326,16 @@ def _pallas_tiny(tmp_path, corpus, recipe, implementation=None):
     return RunConfig.from_config(c)
 
 
-def _triton_launches(module_text: str) -> int:
-    """Triton kernel launches of one call of ``main`` in a StableHLO module: its Triton custom
-    calls plus those of the functions it calls, per call (lowering shares one private function
-    between identical call sites, so the text alone undercounts)."""
+def _triton_launches(module_text: str, targets=TRITON_CUSTOM_CALL_TARGETS) -> int:
+    """Triton kernel launches (or custom calls to ``targets``) of one call of ``main`` in a
+    StableHLO module: its own plus those of the functions it calls, per call (lowering shares
+    one private function between identical call sites, so the text alone undercounts)."""
     heads = list(re.finditer(r"func\.func (?:public |private )?@([^(\s]+)\(", module_text))
     bodies = {
         m.group(1): module_text[m.start() : heads[i + 1].start() if i + 1 < len(heads) else None]
         for i, m in enumerate(heads)
     }
-    triton = "|".join(re.escape(t) for t in TRITON_CUSTOM_CALL_TARGETS)
+    triton = "|".join(re.escape(t) for t in targets)
     memo: dict[str, int] = {}
 
     def count(name: str) -> int:
@@ -344,25 +350,29 @@ def _triton_launches(module_text: str) -> int:
     return count("main")
 
 
-def _expected_launches(cfg: RunConfig) -> int:
-    """Per quantized linear layer and GEMM the kernels support: one quantize kernel per
-    quantized operand (two for NVFP4 with a fused Hadamard transform: the tensor amax of the
+def _gemm_launches(g) -> int:
+    """Triton launches of one GEMM the kernels support: one quantize kernel per quantized
+    operand (two for NVFP4 with a fused Hadamard transform: the tensor amax of the
     transformed operand is a pass of its own) and one block-scaled matmul."""
-    r = lb.recipes.get(cfg.quant.recipe)
 
-    def kernels(spec, gemm):
+    def kernels(spec):
         if spec is None:
             return 0
-        amax_pass = spec.format == "nvfp4" and gemm.hadamard and spec.clip_rms is None
+        amax_pass = spec.format == "nvfp4" and g.hadamard and spec.clip_rms is None
         return 2 if amax_pass else 1
 
-    per_layer = sum(
-        kernels(g.lhs, g) + kernels(g.rhs, g) + 1
-        for g in (r.fwd, r.dlhs, r.drhs)
-        if g.active and kernel_supports(g.lhs, g.rhs)[0]
-    )
+    return kernels(g.lhs) + kernels(g.rhs) + 1
+
+
+def _kernel_gemms(cfg: RunConfig) -> list:
+    r = lb.recipes.get(cfg.quant.recipe)
+    return [g for g in (r.fwd, r.dlhs, r.drhs) if g.active and kernel_supports(g.lhs, g.rhs)[0]]
+
+
+def _expected_launches(cfg: RunConfig) -> int:
+    """Per quantized linear layer, :func:`_gemm_launches` of each GEMM the kernels support."""
     linears = 4 * cfg.model.layers  # qkv, out, up, down; embed and head stay float
-    return linears * per_layer
+    return linears * sum(_gemm_launches(g) for g in _kernel_gemms(cfg))
 
 
 def test_pallas_implementation_trains_like_the_default_on_cpu(tmp_path, corpus):
@@ -547,3 +557,25 @@ def test_cli_trains_and_reports_bad_input_in_one_line(tmp_path, corpus):
     bad = _cli(*common, "--config.quant.recipe=mxfp5", "--config.name=x", cwd=tmp_path)
     assert bad.returncode == 1
     assert "quant.recipe" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("recipe", ["mxfp4", "nvfp4"])
+def test_the_train_step_exported_for_a_b200_holds_the_mosaic_matmuls(tmp_path, corpus, recipe):
+    """The same step exported for a B200: every GEMM Blackwell's block-scaled matmul takes
+    (both operands in one of its formats: all three of mxfp4, nvfp4's weight gradient) is one
+    Mosaic GPU call and no Triton kernel, the configs reaching the kernel unchanged; the
+    GEMMs it does not take keep their Triton launches or the emulation."""
+    cfg = _pallas_tiny(tmp_path, corpus, recipe, "pallas")
+    tr = trainer.Trainer(cfg, trainer.make_mesh(cfg.mesh))
+    tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len), jnp.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nvfp4's emulated GEMMs say why
+        text = export_for_cuda(tr.step_fn, tr.abstract, {"inputs": tokens, "targets": tokens},
+                               device_kind="NVIDIA B200").mlir_module()
+    gemms = _kernel_gemms(cfg)
+    mosaic = [g for g in gemms if mosaic_supports("blackwell", g.lhs, g.rhs)[0]]
+    linears = 4 * cfg.model.layers
+    assert len(mosaic) == {"mxfp4": 3, "nvfp4": 1}[recipe]
+    assert _triton_launches(text, MOSAIC_CUSTOM_CALL_TARGETS) == linears * len(mosaic)
+    assert _triton_launches(text) == linears * sum(
+        _gemm_launches(g) for g in gemms if g not in mosaic)
