@@ -92,9 +92,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # compiled or loaded (seen inside the persistent compilation cache's write and read of a train
 # step; reproduced alone: one jitted function compiled for 1,030 shapes, 63 mappings each,
 # stops at 64,780 mappings with "LLVM compilation error: Cannot allocate memory" and a
-# segfault in backend_compile_and_load). After a test module that leaves more than half the limit mapped, the jit caches are
-# cleared (``jax.clear_caches``), which unmaps the executables nothing else holds; later
-# modules recompile what they need (from the persistent cache where it has it).
+# segfault in backend_compile_and_load). After a test module that leaves more than half the
+# limit mapped, the jit caches are cleared (``jax.clear_caches``), which unmaps the executables
+# nothing else holds; later modules recompile what they need (from the persistent cache where
+# it has it).
 def _max_map_count() -> int:
     try:
         return int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())
