@@ -172,12 +172,15 @@ def blackwell_matmul_roofline(m: int, k: int, n: int, fmt: str, *, out_itemsize:
 
 def hopper_matmul_roofline(m: int, k: int, n: int, fmt: str, *, out_itemsize: int = 4,
                            device: Device = H200) -> Roofline:
-    """``pallas_kernels.hopper_matmul`` as it is built: FP8 ``wgmma`` on E4M3 / E5M2 codes
-    (FP4 and FP6 decoded to one byte a code by its wrapper, NVFP4's blocks of 16 each padded
-    to a K step of 32: twice the codes and the flops), one float32 scale per block of each
-    operand (the wrapper's), ``C`` written; ``2 m n k`` flops (NVFP4: doubled) at the FP8 peak.
-    The wrapper's decode pass is not counted."""
-    kk = 2 * k if _formats.get(fmt).is_nvfp4 else k
+    """``pallas_kernels.hopper_matmul`` as it is built: FP8 ``wgmma`` on E4M3 / E5M2 codes,
+    FP4 codes read packed (half a byte a code of the kernel's K) and decoded in shared memory,
+    FP6 decoded to one byte a code by its wrapper (that pass not counted), NVFP4's blocks of 16
+    each padded to a K step of 32 (twice the codes and the flops); one float32 scale per block
+    of each operand (the wrapper's), ``C`` written; ``2 m n k`` flops (NVFP4: doubled) at the
+    FP8 peak."""
+    f = _formats.get(fmt)
+    kk = 2 * k if f.is_nvfp4 else k
     blocks = kk // 32
-    nbytes = (m + n) * kk + 4 * (m + n) * blocks + out_itemsize * m * n
+    code_bytes = kk // 2 if f.elem.bits == 4 else kk
+    nbytes = (m + n) * code_bytes + 4 * (m + n) * blocks + out_itemsize * m * n
     return roof(nbytes, 2 * m * n * kk, device.fp8, device)

@@ -188,8 +188,10 @@ def test_mosaic_rooflines_count_packed_operands_at_the_native_peaks():
     fp8 = roofline.blackwell_matmul_roofline(m, k, n, "mxfp8_e4m3")
     assert fp8.seconds == pytest.approx(2 * m * n * k / 4500e12)  # FP8's peak, not FP4's
     hop = roofline.hopper_matmul_roofline(m, k, n, "nvfp4")  # blocks of 16 padded to 32
-    assert hop.flops == 2 * m * n * (2 * k)
-    assert hop.bytes == 2 * (m * 2 * k) + 4 * 2 * m * (2 * k // 32) + 4 * m * n
+    assert hop.flops == 2 * m * n * (2 * k)  # packed FP4: half a byte a code of the padded K
+    assert hop.bytes == 2 * (m * 2 * k // 2) + 4 * 2 * m * (2 * k // 32) + 4 * m * n
+    fp6 = roofline.hopper_matmul_roofline(m, k, n, "mxfp6_e2m3")  # decoded to a byte a code
+    assert fp6.bytes == 2 * m * k + 4 * 2 * m * (k // 32) + 4 * m * n
     with pytest.raises(ValueError, match="no native rate for mxfp4"):
         roofline.blackwell_matmul_roofline(m, k, n, "mxfp4", device=roofline.H200)
 

@@ -2,14 +2,15 @@
 a Hopper GPU.
 
 On any CPU: the argument checks (each error names its argument); the wrapper's operand
-preparation against independent decodings (E2M1 codes to E4M3 bytes bit for bit against a
-table written out here; every format's FP8 elements times its float32 scales exactly what
-``lowbit.dequantize`` gives; NVFP4's padding of each block of 16 to a K step of 32 with
-zeros); the kernel's block-scaled accumulation emulated from the prepared operands, in
-float64 and in the kernel's own float32 order (one partial sum per block of 32, scaled, added
-to a float32 accumulator), against :func:`reference` within float32 accumulation error, and
-the same check failing for NVFP4 without the padding (two blocks of 16 under one scale); the
-kernel traced and lowered for CUDA through ``jax.export``.
+preparation against independent decodings (E2M1 codes to E4M3 bytes bit for bit against a table
+written out here, the in-kernel decode included, and FP4's packing in pairs of blocks, which the
+kernel decodes in shared memory; every format's FP8 elements times its float32 scales exactly
+what ``lowbit.dequantize`` gives; NVFP4's padding of each block of 16 to a K step of 32 with
+zeros); the kernel's block-scaled accumulation emulated from the prepared operands, in float64
+and in the kernel's own float32 order (one partial sum per block of 32, scaled, added to a
+float32 accumulator), against :func:`reference` within float32 accumulation error, and the same
+check failing for NVFP4 without the padding (two blocks of 16 under one scale); the kernel
+traced and lowered for CUDA through ``jax.export``.
 
 With the CUDA plugin (``.venv-gpu``, ``JAX_PLATFORMS=cpu``): compiled for a device-less H100
 (sm_90a), Mosaic GPU's PTX must hold ``wgmma.mma_async`` on ``.e4m3`` (``.e5m2`` for
@@ -82,14 +83,21 @@ class TestHopperMatmul(mb.MosaicMatmulSpec):
              ValueError, r"a_scales has shape \(64, 4\); a_codes \(64, 97\)"),
             ("K", mb.changed(z(k=224), block_k=128), ValueError,
              r"k=224 must be a multiple of block_k=128"),
-            ("K NVFP4", mb.changed(z(k=48, fmt="nvfp4"), block_k=64), ValueError,
-             r"k=48 \(the kernel's K, NVFP4's K padded to 96\) must be a multiple of block_k=64"),
+            ("K NVFP4", mb.changed(z(k=96, fmt="nvfp4"), block_k=128), ValueError,
+             r"k=96 \(the kernel's K, NVFP4's K padded to 192\) must be a multiple of "
+             r"block_k=128"),
+            ("K NVFP4 pairs", z(k=48, fmt="nvfp4"), ValueError,
+             r"k=48 must be a multiple of 32 for nvfp4"),
             ("block_m", mb.changed(z(m=128), block_m=128), ValueError, r"block_m=128 must be 64"),
             ("block_n", mb.changed(z(n=256), block_n=256), ValueError,
              r"block_n=256 must be a multiple of 8 in \[8, 128\]"),
             ("block_n odd", mb.changed(z(n=128), block_n=12), ValueError, r"block_n=12 must be"),
             ("block_k", mb.changed(z(k=256), block_k=48), ValueError,
              r"block_k=48 must be a multiple of 32"),
+            ("block_k FP4", mb.changed(z(k=256, fmt="mxfp4"), block_k=32), ValueError,
+             r"block_k=32 must be a multiple of 64 \(two FP8 wgmma K steps"),
+            ("K FP4", z(k=96, fmt="mxfp4"), ValueError,
+             r"k=96 must be a multiple of 64 for mxfp4"),
             ("shared memory", mb.changed(z(k=2048), block_k=512, num_stages=4), ValueError,
              r"num_stages=4 slots of block_k=512 .* bytes of shared memory"),
         ]
@@ -118,8 +126,8 @@ class TestHopperMatmul(mb.MosaicMatmulSpec):
         assert hm.wgmma_forms("no mma here") == []
 
     @pytest.mark.parametrize("fmt, k, block_k", [("mxfp8_e4m3", 1024, 128), ("nvfp4", 1024, 128),
-                                                 ("mxfp4", 96, 32), ("nvfp4", 48, 32),
-                                                 ("mxfp6_e3m2", 64, 64)])
+                                                 ("mxfp4", 192, 64), ("nvfp4", 96, 64),
+                                                 ("mxfp8_e5m2", 96, 32), ("mxfp6_e3m2", 64, 64)])
     def test_default_blocks(self, fmt, k, block_k):
         c = hm.get_default(fmt, 1024, 1024, k)
         assert (c.block_m, c.block_n, c.block_k) == (64, 128, block_k)
@@ -146,6 +154,36 @@ class TestHopperMatmul(mb.MosaicMatmulSpec):
         if f.k_pad > 1:
             want = np.pad(want.reshape(8, 4, 16), ((0, 0), (0, 0), (0, 16))).reshape(8, 128)
         np.testing.assert_array_equal(got, want)
+
+    def test_in_kernel_decode_is_the_table_bit_for_bit(self):
+        """The decode the kernel runs on its registers (integer ops on 32-bit lanes), run
+        here on every E2M1 code: the E4M3 byte of the table, and ml_dtypes' own cast."""
+        got = np.asarray(hm.e2m1_to_e4m3_bits(jnp.arange(16, dtype=jnp.int32)))
+        np.testing.assert_array_equal(got, E2M1_TO_E4M3)
+        values = np.arange(16, dtype=np.uint8).view(jnp.float4_e2m1fn).astype(np.float32)
+        np.testing.assert_array_equal(got, values.astype(jnp.float8_e4m3fn).view(np.uint8))
+
+    @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+    def test_kernel_reads_fp4_packed_in_pairs_of_blocks(self, fmt):
+        """kernel_inputs keeps FP4 packed, half a byte a code of the kernel's K: decoding K
+        step block j as the kernel does (the low nibbles of pair j // 2 for even j, the high
+        ones for odd j, through the table above) gives prepare_operands' E4M3 elements of
+        that block exactly (NVFP4: padding included), and the scales are the same."""
+        qa, qb = mb.quantized(fmt, M, N, K, seed=3)
+        kw = mb.operands(qa, qb)
+        packed = mb.call(hm.kernel_inputs, kw)
+        elements = mb.call(hm.prepare_operands, kw)
+        kk = K * FORMATS[fmt].k_pad
+        for x, e, rows in ((packed[0], elements[0], M), (packed[1], elements[1], N)):
+            assert x.dtype == jnp.uint8 and x.shape == (rows, kk // 2)
+            x, e = np.asarray(x), np.asarray(jax.lax.bitcast_convert_type(e, jnp.uint8))
+            for j in range(kk // 32):
+                pair = x[:, (j // 2) * 32 : (j // 2 + 1) * 32]
+                nibbles = pair & 15 if j % 2 == 0 else pair >> 4
+                np.testing.assert_array_equal(np.take(E2M1_TO_E4M3, nibbles),
+                                              e[:, j * 32 : (j + 1) * 32])
+        for got, want in zip(packed[2:4], elements[2:4], strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
     def test_prepared_operands_decode_to_lowbits_values(self, fmt):
         """FP8 elements times float32 scales (one per K step of 32, transposed) ==

@@ -114,15 +114,23 @@ def test_each_family_serves_the_recipes_gemms():
 @pytest.mark.parametrize("fam,fmt,expected", [
     ("blackwell", "mxfp8_e4m3", (128, 128, 128)), ("blackwell", "mxfp4", (128, 128, 128)),
     ("blackwell", "nvfp4", (128, 128, 64)), ("hopper", "mxfp6_e2m3", (64, 128, 32)),
-    ("hopper", "nvfp4", (64, 128, 16)),
+    ("hopper", "mxfp4", (64, 128, 64)), ("hopper", "nvfp4", (64, 128, 32)),
 ])
 def test_tile_multiples_fit_the_kernels(fam, fmt, expected):
-    """What the wrapper pads to is what the kernel's own config checks accept."""
+    """What the wrapper pads to is what the kernel's own checks accept: the kernel traces on
+    operands of exactly those sizes (its ValueError otherwise), and not on half the K."""
+    from pallas_kernels.mosaic_common import operand_shapes, positional_matmul
+
     assert tile_multiples(fam, fmt) == expected
     mod = importlib.import_module(FAMILIES[fam][0])
     m, n, k = expected
-    cfg = mod.get_default(fmt, m, n, k)
-    assert (cfg.block_m, cfg.block_n) == (m, n) and k % min(cfg.block_k, k) == 0
+    fn = positional_matmul(getattr(mod, FAMILIES[fam][1]), fmt=fmt)
+    specs = lambda k: [jax.ShapeDtypeStruct(s, d)  # noqa: E731
+                       for s, d in operand_shapes(mod.FORMATS[fmt], m, n, k)]
+    assert jax.eval_shape(fn, *specs(k)).shape == (m, n)
+    if k // 2 % (16 if fmt == "nvfp4" else 32) == 0:  # half the K is still whole blocks
+        with pytest.raises(ValueError, match=r"must be a multiple of"):
+            jax.eval_shape(fn, *specs(k // 2))
 
 
 def test_the_wrapper_pads_with_exact_zeros():

@@ -19,8 +19,14 @@ what the kernel reads:
   requires of both operands.
 - MXFP4, MXFP6 (``e2m3``, ``e3m2``), NVFP4: the codes decoded to E4M3 bytes. Exact: every
   E2M1, E2M3 and E3M2 value is an E4M3 value (E4M3 has more exponent range and at least as
-  many mantissa bits). The decode is done in XLA, in the wrapper, not in shared memory inside
-  the kernel (version 1: it costs one more pass over the operands in HBM, at 8 bits a code).
+  many mantissa bits). FP4 is decoded inside the kernel, in shared memory: the wrapper only
+  re-packs the codes in pairs of blocks (:func:`pair_packed`: each 32 bytes hold a block of 32
+  in their low nibbles and the next block in their high nibbles; lowbit packs neighbours),
+  the kernel reads half a byte a code by TMA and, per K step, decodes the low nibbles into one
+  E4M3 tile and the high nibbles into another (:func:`e2m1_to_e4m3_bits`, integer ops on 32-bit
+  lanes), so that every block of 32 is a whole 32-code column of one tile for its ``wgmma``,
+  with no interleave in registers. FP6 (three bytes for four codes) is still decoded to E4M3
+  by the wrapper in XLA: one more pass over the operand in HBM, at a byte a code.
 - NVFP4's blocks are 16 codes, FP8 ``wgmma``'s K step is 32: each block of 16 is padded with
   16 zero codes to a K step of its own (K doubles; each step then has one scale per operand
   row, the block's E4M3 scale). Exact (the padded products are zero) at twice the MMA work.
@@ -75,6 +81,9 @@ __all__ = [
     "Config",
     "get_default",
     "prepare_operands",
+    "kernel_inputs",
+    "pair_packed",
+    "e2m1_to_e4m3_bits",
     "hopper_block_scaled_matmul",
     "reference",
     "compile_report",
@@ -109,6 +118,19 @@ class WgmmaFormat:
         """How much longer K is in the kernel than in the operand (NVFP4: 2, each block of 16
         padded to a K step of 32)."""
         return K_STEP // self.block
+
+    @property
+    def smem_decode(self) -> bool:
+        """Whether the kernel decodes the codes to E4M3 in shared memory (FP4: it reads the
+        packed codes, :func:`pair_packed`) rather than reading E4M3 bytes (FP8 as they are,
+        FP6 decoded by the wrapper)."""
+        return self.bits == 4
+
+    @property
+    def k_multiple(self) -> int:
+        """What the kernel's K and ``block_k`` must be a multiple of: FP8 wgmma's K step, two
+        of them for FP4 (a pair of blocks shares each packed byte)."""
+        return 2 * K_STEP if self.smem_decode else K_STEP
 
 
 FORMATS = {
@@ -153,7 +175,7 @@ def get_default(fmt: str, m: int, n: int, k: int) -> Config:
     f = _wgmma_format(fmt)
     kk = k * f.k_pad
     block_k = 128
-    while block_k > K_STEP and kk % block_k:
+    while block_k > f.k_multiple and kk % block_k:
         block_k //= 2
     return Config(block_k=block_k, num_stages=max(1, min(4, kk // block_k)))
 
@@ -170,11 +192,10 @@ def _check_config(config: Config, f: WgmmaFormat, m: int, n: int, k: int) -> Non
             f"block_n={config.block_n} must be a multiple of 8 in [8, 128] (wgmma's N; the "
             "accumulator and the partial product take block_n float32 registers a thread)"
         )
-    if config.block_k % K_STEP:
-        raise ValueError(
-            f"block_k={config.block_k} must be a multiple of {K_STEP} "
-            "(FP8 wgmma's K step, one block of scales)"
-        )
+    if config.block_k % f.k_multiple:
+        why = ("two FP8 wgmma K steps: FP4's packed bytes hold a pair of blocks"
+               if f.smem_decode else "FP8 wgmma's K step, one block of scales")
+        raise ValueError(f"block_k={config.block_k} must be a multiple of {f.k_multiple} ({why})")
     if config.num_stages < 1:
         raise ValueError(f"num_stages={config.num_stages} must be at least 1")
     if smem_bytes(config, f.name) > _SMEM_LIMIT:
@@ -207,6 +228,43 @@ def _elements(codes, f: WgmmaFormat, rows: int, k: int) -> jax.Array:
         e = e.reshape(rows, k // f.block, f.block)
         e = jnp.pad(e, ((0, 0), (0, 0), (0, K_STEP - f.block))).reshape(rows, k * f.k_pad)
     return e
+
+
+def e2m1_to_e4m3_bits(n: jax.Array) -> jax.Array:
+    """The E4M3 byte of each E2M1 code ``n`` (int32 in [0, 16)), as uint8: the sign moved to
+    bit 7; a normal code ``(e, m)`` (``e`` in 1..3) is ``2^(e-1) (1 + m/2)``, E4M3 exponent
+    ``e + 6`` (bias 7) and mantissa ``m << 2``; the subnormal ``0.5`` is E4M3's ``2^-1``
+    (``0x30``), and zero is zero. Integer ops only, so that the kernel runs it on registers
+    (Mosaic GPU computes on 32-bit lanes) and a CPU test checks it bit for bit.
+
+    >>> [hex(int(b)) for b in e2m1_to_e4m3_bits(jnp.array([1, 2, 7, 15]))]
+    ['0x30', '0x38', '0x4c', '0xcc']
+    """
+    e, m = (n >> 1) & 3, n & 1
+    normal = ((e + 6) << 3) | (m << 2)
+    return (((n & 8) << 4) | jnp.where(e == 0, m * 0x30, normal)).astype(jnp.uint8)
+
+
+def pair_packed(codes, f: WgmmaFormat, rows: int, k: int) -> jax.Array:
+    """FP4 codes as the kernel reads them: uint8 ``[rows, Kk / 2]`` (``Kk = K * k_pad``), each
+    run of 64 codes of the kernel's K (two blocks of 32) as 32 bytes whose low nibbles are the
+    first block and high nibbles the second (lowbit packs neighbours, low nibble first); NVFP4's
+    blocks of 16 are each padded with 16 zero codes first. The kernel decodes the low nibbles
+    of a K step into one SMEM tile and the high ones into another, so each block of 32 is a
+    whole 32-code column of one of them, with no interleave in registers.
+
+    >>> import types
+    >>> f = types.SimpleNamespace(bits=4, block=32, k_pad=1)
+    >>> codes = jnp.array([[0x11] * 16 + [0x22] * 16], jnp.uint8)  # a block of 1s, one of 2s
+    >>> pair_packed(codes, f, 1, 64).tolist() == [[0x21] * 32]
+    True
+    """
+    nibbles = jnp.stack([codes & 15, codes >> 4], axis=-1).reshape(rows, k)
+    if f.k_pad > 1:
+        nibbles = nibbles.reshape(rows, k // f.block, f.block)
+        nibbles = jnp.pad(nibbles, ((0, 0), (0, 0), (0, K_STEP - f.block)))
+    pairs = nibbles.reshape(rows, k * f.k_pad // (2 * K_STEP), 2, K_STEP)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(rows, k * f.k_pad // 2)
 
 
 def _scales_f32(scales, f: WgmmaFormat) -> jax.Array:
@@ -247,6 +305,39 @@ def prepare_operands(
     )
 
 
+def kernel_inputs(
+    a_codes, a_scales, b_codes, b_scales, *, fmt: str, a_tensor_scale=None, b_tensor_scale=None
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """What the kernel's call takes: :func:`prepare_operands`, except that FP4 codes stay
+    packed (:func:`pair_packed`, uint8 ``[rows, Kk / 2]``) for the kernel to decode in shared
+    memory. Validates alike.
+
+    >>> import jax.numpy as jnp
+    >>> a, *_ = kernel_inputs(
+    ...     jnp.zeros((64, 64), jnp.uint8), jnp.zeros((64, 8), jnp.uint8),
+    ...     jnp.zeros((128, 64), jnp.uint8), jnp.zeros((128, 8), jnp.uint8), fmt="nvfp4",
+    ...     a_tensor_scale=1.0, b_tensor_scale=2.0)
+    >>> a.shape, a.dtype
+    ((64, 128), dtype('uint8'))
+    """
+    f = _wgmma_format(fmt)
+    ops = mc.check_operands(a_codes, a_scales, b_codes, b_scales, f,
+                            a_tensor_scale=a_tensor_scale, b_tensor_scale=b_tensor_scale)
+    if f.smem_decode and ops.k * f.k_pad % f.k_multiple:
+        raise ValueError(
+            f"k={ops.k} must be a multiple of {f.k_multiple // f.k_pad} for {f.name} (the "
+            "kernel reads FP4 codes packed in pairs of blocks of its K)"
+        )
+    codes = pair_packed if f.smem_decode else _elements
+    return (
+        codes(ops.a_codes, f, ops.m, ops.k),
+        codes(ops.b_codes, f, ops.n, ops.k),
+        _scales_f32(ops.a_scales, f),
+        _scales_f32(ops.b_scales, f),
+        ops.tensor_scale,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """The static sizes of one kernel."""
@@ -272,9 +363,18 @@ def _block_product(a_ref, b_ref, acc_ref):
     return acc_ref[...]
 
 
+def _decode_to(src, lo, hi):
+    """The packed FP4 tile ``src`` (uint8, :func:`pair_packed`) decoded to E4M3 in SMEM: its
+    low nibbles into ``lo``, its high nibbles into ``hi`` (same shape, same tiling)."""
+    x = src[...].astype(jnp.int32)  # Mosaic GPU's arithmetic runs on 16- or 32-bit lanes
+    lo[...] = lax.bitcast_convert_type(e2m1_to_e4m3_bits(x & 15), jnp.float8_e4m3fn)
+    hi[...] = lax.bitcast_convert_type(e2m1_to_e4m3_bits(x >> 4), jnp.float8_e4m3fn)
+
+
 def _kernel_call(a, b, sa, sb, t, *, f: WgmmaFormat, config: Config, out_dtype):
     """The ``plgpu.kernel`` over prepared operands (see the module docstring)."""
-    (m, kk), n = a.shape, b.shape[0]
+    m, n = a.shape[0], b.shape[0]
+    kk = a.shape[1] * (2 if f.smem_decode else 1)
     k_steps = kk // config.block_k
     p = _Plan(
         f=f,
@@ -287,21 +387,31 @@ def _kernel_call(a, b, sa, sb, t, *, f: WgmmaFormat, config: Config, out_dtype):
     )
     chunks = p.bk // K_STEP
     # 32-byte swizzle: one 8 x 32 tile is one block of 32 codes, so each wgmma's K slice
-    # is whole tiles.
+    # is whole tiles (FP4: 32 packed bytes, a pair of blocks, decode to one such tile each).
     code_transforms = _tiled(K_STEP, 8, swizzle=32)
     out_bits = p.out_dtype.itemsize * 8
+    tile_k = p.bk // 2 if f.smem_decode else p.bk  # bytes of codes per row and K step
 
     def body(*refs):
         n_in = 5 if f.tensor_scaled else 4
         a_gmem, b_gmem, sa_gmem, sb_gmem = refs[:4]
         t_gmem = refs[4] if f.tensor_scaled else None
-        out_gmem, out_smem = refs[n_in:]
+        out_gmem, out_smem, *decoded = refs[n_in:]
         mi, ni = lax.axis_index("m"), lax.axis_index("n")
 
         def step(_, a_smem, b_smem, sa_smem, sb_smem, acc):
+            if f.smem_decode:
+                a_lo, a_hi, b_lo, b_hi = decoded
+                _decode_to(a_smem, a_lo, a_hi)
+                _decode_to(b_smem, b_lo, b_hi)
+                plgpu.commit_smem()  # the stores seen by wgmma, by every thread
             for j in range(chunks):
-                ks = pl.ds(j * K_STEP, K_STEP)
-                mma = functools.partial(_block_product, a_smem.at[:, ks], b_smem.at[:, ks])
+                if f.smem_decode:  # block j: the low (even j) or high nibbles of pair j // 2
+                    a_src, b_src = (a_lo, b_lo) if j % 2 == 0 else (a_hi, b_hi)
+                    ks = pl.ds((j // 2) * K_STEP, K_STEP)
+                else:
+                    a_src, b_src, ks = a_smem, b_smem, pl.ds(j * K_STEP, K_STEP)
+                mma = functools.partial(_block_product, a_src.at[:, ks], b_src.at[:, ks])
                 part = pl.run_scoped(mma, plgpu.ACC((p.bm, p.bn), jnp.float32))
                 s_a = mc.load(sa_smem.at[j], plgpu.Layout.WGMMA.reduce(1))
                 s_b = mc.load(sb_smem.at[j], plgpu.Layout.WGMMA.reduce(0))
@@ -315,8 +425,8 @@ def _kernel_call(a, b, sa, sb, t, *, f: WgmmaFormat, config: Config, out_dtype):
             step,
             grid=(p.k_steps,),
             in_specs=[
-                plgpu.BlockSpec((p.bm, p.bk), lambda k: (0, k), transforms=code_transforms),
-                plgpu.BlockSpec((p.bn, p.bk), lambda k: (0, k), transforms=code_transforms),
+                plgpu.BlockSpec((p.bm, tile_k), lambda k: (0, k), transforms=code_transforms),
+                plgpu.BlockSpec((p.bn, tile_k), lambda k: (0, k), transforms=code_transforms),
                 plgpu.BlockSpec((chunks, p.bm), lambda k: (k, 0)),
                 plgpu.BlockSpec((chunks, p.bn), lambda k: (k, 0)),
             ],
@@ -332,11 +442,14 @@ def _kernel_call(a, b, sa, sb, t, *, f: WgmmaFormat, config: Config, out_dtype):
         plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[ms, ns])
         plgpu.wait_smem_to_gmem(0)
 
-    out_smem = plgpu.SMEM(
+    scratch = [plgpu.SMEM(
         (p.bm, p.bn), p.out_dtype, transforms=_tiled(p.bn * p.out_dtype.itemsize, out_bits)
-    )
+    )]
+    if f.smem_decode:  # the decoded low and high nibbles of A's and B's K step
+        scratch += [plgpu.SMEM((rows, tile_k), jnp.float8_e4m3fn, transforms=code_transforms)
+                    for rows in (p.bm, p.bm, p.bn, p.bn)]
     call = mc.tile_kernel(body, shape=(m, n), block=(p.bm, p.bn), out_dtype=p.out_dtype,
-                          scratch_types=(out_smem,),
+                          scratch_types=tuple(scratch),
                           name=f"hopper_{f.name}_{p.bm}x{p.bn}x{p.bk}_s{p.stages}")
     return call(a, b, sa, sb, *((t,) if f.tensor_scaled else ()))
 
@@ -369,12 +482,12 @@ def hopper_block_scaled_matmul(
     """
     f = _wgmma_format(fmt)
     out_dtype = mc.check_out_dtype(out_dtype)
-    a, b, sa, sb, t = prepare_operands(
+    a, b, sa, sb, t = kernel_inputs(
         a_codes, a_scales, b_codes, b_scales, fmt=f.name,
         a_tensor_scale=a_tensor_scale, b_tensor_scale=b_tensor_scale,
     )
-    (m, kk), n = a.shape, b.shape[0]
-    k = kk // f.k_pad
+    m, n = a.shape[0], b.shape[0]
+    k = sa.shape[0] * K_STEP // f.k_pad
     config = mc.tiles(get_default(f.name, m, n, k), block_m=block_m, block_n=block_n,
                       block_k=block_k, num_stages=num_stages)
     _check_config(config, f, m, n, k)
@@ -412,16 +525,20 @@ def wgmma_forms(ptx: str) -> list[str]:
 
 def smem_bytes(config: Config, fmt: str, out_dtype=jnp.float32) -> int:
     """Shared memory the kernel asks for (barriers aside): ``num_stages`` slots of both
-    operands' FP8 codes and float32 scales, and the ``[block_m, block_n]`` output buffer.
+    operands' codes (FP4: packed, half a byte a code) and float32 scales, FP4's decoded E4M3
+    tiles of one K step, and the ``[block_m, block_n]`` output buffer.
 
     >>> smem_bytes(get_default("mxfp8", 1024, 1024, 1024), "mxfp8")  # 4 x (24 + 3) + 32 KiB
     143360
     """
-    _wgmma_format(fmt)
+    f = _wgmma_format(fmt)
     c = config
-    codes = (c.block_m + c.block_n) * c.block_k
-    scales = (c.block_m + c.block_n) * (c.block_k // K_STEP) * 4
-    return c.num_stages * (codes + scales) + c.block_m * c.block_n * jnp.dtype(out_dtype).itemsize
+    rows = c.block_m + c.block_n
+    codes = rows * c.block_k // (2 if f.smem_decode else 1)
+    scales = rows * (c.block_k // K_STEP) * 4
+    decoded = rows * c.block_k if f.smem_decode else 0  # FP4: the E4M3 tiles decoded into
+    out = c.block_m * c.block_n * jnp.dtype(out_dtype).itemsize
+    return c.num_stages * (codes + scales) + decoded + out
 
 
 def compile_report(fmt: str, m: int, n: int, k: int, *, target: str = "h100",

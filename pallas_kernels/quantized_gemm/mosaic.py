@@ -119,15 +119,16 @@ def mosaic_supports(fam: str, spec_a: QuantSpec | None, spec_b: QuantSpec | None
 def tile_multiples(fam: str, fmt: str) -> tuple[int, int, int]:
     """What M, N and K are padded to a multiple of for family ``fam`` and format ``fmt``:
     the CTA tile of C, and along K the least step the kernel takes (Blackwell: a scale tile's
-    4 blocks; Hopper: wgmma's K step of 32, which NVFP4's blocks of 16 are each padded to).
+    4 blocks; Hopper: wgmma's K step of 32, which NVFP4's blocks of 16 are each padded to, two
+    of them for FP4, whose packed bytes hold a pair of blocks).
 
     >>> tile_multiples("blackwell", "nvfp4"), tile_multiples("hopper", "mxfp4")
-    ((128, 128, 64), (64, 128, 32))
+    ((128, 128, 64), (64, 128, 64))
     """
     block = 16 if fmt == "nvfp4" else 32
     if fam == "blackwell":
         return 128, 128, 4 * block
-    return 64, 128, block
+    return 64, 128, 2 * block if fmt in ("mxfp4", "nvfp4") else block
 
 
 def _pad(codes, scales, rows: int, k: int, bits: int, block: int):
