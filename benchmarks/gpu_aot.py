@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import os
 import subprocess
@@ -56,7 +55,7 @@ from pallas_kernels.block_scaled_matmul.kernel import matmul_pallas
 from pallas_kernels.grouped_matmul import check as grouped_check
 from pallas_kernels.grouped_matmul.api import run_kernel as grouped_kernel
 from pallas_kernels.quantized_gemm.kernel import kernel_configs
-from pallas_kernels.quantized_gemm.mosaic import FAMILIES, tile_multiples
+from pallas_kernels.quantized_gemm.mosaic import module, padded_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "pallas_kernels" / "aot_report.md"
@@ -209,7 +208,7 @@ def step_rows(s: aot.Session, recipe: str, failures: list):
 
 def kernel_module(target: str):
     """The Mosaic GPU kernel package that ``quantized_gemm`` dispatches to on ``target``."""
-    return importlib.import_module(FAMILIES[MOSAIC_FAMILY[target]][0])
+    return module(MOSAIC_FAMILY[target])
 
 
 def mosaic_cases(target: str) -> list[tuple[str, int, int, int]]:
@@ -227,11 +226,18 @@ def expected_mma(target: str, fmt: str) -> str:
     return f"wgmma.mma_async.sync.aligned.m64n128k32.f32.{f.ptx_type}.{f.ptx_type}"
 
 
+def mosaic_config(target: str, fmt: str, m: int, k: int, n: int):
+    """The blocks ``target``'s kernel runs a ``[m, k] x [k, n]`` GEMM in ``fmt`` with: its
+    ``get_default`` at the sizes the wrapper pads to."""
+    mp, kp, np_ = padded_sizes(MOSAIC_FAMILY[target], fmt, m, k, n)
+    return kernel_module(target).get_default(fmt, mp, np_, kp)
+
+
 def _mosaic_child(target: str) -> int:
     """Compile ``target``'s Mosaic GPU cases in this process; print their rows as JSON."""
     from pallas_kernels.quantized_gemm.mosaic_report import compile_gemm_report
 
-    fam, mod = MOSAIC_FAMILY[target], kernel_module(target)
+    mod = kernel_module(target)
     rows, failures = [], []
     for fmt, m, k, n in mosaic_cases(target):
         case = f"mosaic gemm {fmt} MKN={(m, k, n)}"
@@ -240,9 +246,7 @@ def _mosaic_child(target: str) -> int:
         except Exception as e:
             failures.append(f"{target}: {case}: {type(e).__name__}: {str(e)[:300]}")
             continue
-        tm, tn, tk = tile_multiples(fam, fmt)
-        pad = lambda x, t: -(-x // t) * t  # noqa: E731
-        cfg = mod.get_default(fmt, pad(m, tm), pad(n, tn), pad(k, tk))
+        cfg = mosaic_config(target, fmt, m, k, n)
         rows.append(dict(
             section="mosaic", case=case, kernel=r["kernel"].split("_aot")[0], fmt=fmt,
             config=str(cfg), target=target, registers=r["registers"],
@@ -270,6 +274,12 @@ def mosaic_rows(target: str, failures: list) -> list[dict]:
     return out["rows"]
 
 
+def _spill_cell(r: dict) -> str:
+    """A row's spills, ``stores/loads`` bytes, in bold where there are any."""
+    spill = f"{r['spill_stores']}/{r['spill_loads']}"
+    return f"**{spill}**" if r["spill_stores"] or r["spill_loads"] else spill
+
+
 def mosaic_table(rows: list[dict]) -> str:
     lines = [
         "| case | kernel | configuration | target | MMA in the PTX | registers | spills (B, "
@@ -277,11 +287,9 @@ def mosaic_table(rows: list[dict]) -> str:
         "|---|---|---|---|---|---:|---|---:|---:|",
     ]
     for r in rows:
-        spill = f"{r['spill_stores']}/{r['spill_loads']}"
-        spill = f"**{spill}**" if r["spill_stores"] or r["spill_loads"] else spill
         mma = "<br>".join(f"`{m}`" for m in r["mma"])
         lines.append(f"| {r['case']} | {r['kernel']} | {r['config']} | {r['target']} | {mma} "
-                     f"| {r['registers']} | {spill} | {r['shared_memory']} "
+                     f"| {r['registers']} | {_spill_cell(r)} | {r['shared_memory']} "
                      f"| {r['triton_kernels']} |")
     return "\n".join(lines) + "\n"
 
@@ -318,10 +326,8 @@ def _kernel_table(rows: list[dict]) -> str:
         "|---|---|---|---|---|---:|---|---:|---|",
     ]
     for r in rows:
-        spilled = r["spill_stores"] or r["spill_loads"]
-        spill = f"{r['spill_stores']}/{r['spill_loads']}"
         lines.append(f"| {r['section']} | {r['case']} | {r['kernel']} | {r['config']} | "
-                     f"{r['target']} | {r['registers']} | {f'**{spill}**' if spilled else spill} "
+                     f"{r['target']} | {r['registers']} | {_spill_cell(r)} "
                      f"| {r['shared_memory']} | {list(r['grid'])} |")
     return "\n".join(lines) + "\n"
 

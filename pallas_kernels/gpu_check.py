@@ -55,7 +55,6 @@ from lowbit.core.plan import make_plan
 from lowbit.core.qarray import QArray
 from lowbit.core.qarray import quantize as lowbit_quantize
 from lowbit.gemm import recipes as lowbit_recipes
-from lowbit.gemm.operand import quantize_operand
 from pallas_kernels import mosaic_check, roofline
 from pallas_kernels._common import export_for_cuda, format_unsupported, on_gpu, time_fn
 from pallas_kernels.block_scaled_matmul import Config as MatmulConfig
@@ -73,6 +72,7 @@ from pallas_kernels.quantize import quantize
 from pallas_kernels.quantize.kernel import quantize_pallas
 from pallas_kernels.quantize.reference import quantize_reference
 from pallas_kernels.quantized_gemm import kernel_supports, quantized_gemm
+from pallas_kernels.quantized_gemm.reference import accumulation_excess
 
 PREFILL = (8192, 8192, 8192)  # M, K, N
 DECODE = (16, 8192, 8192)
@@ -334,12 +334,8 @@ def _gemm_excess(c, ref, a, b, keys, signs, *, case: GemmCase):
     """max(|C - C_ref| - tol) with tol = (2K + 8) 2**-24 (|A_q| @ |B_q|), ``A_q``, ``B_q``
     the operands as the emulation quantizes them: <= 0 passes."""
     g = case.spec
-    h = g.hadamard or None
-    aq = quantize_operand(a, g.lhs, 1, 0, keys[0], hadamard=h, signs=signs, native=False)
-    bq = quantize_operand(b, g.rhs, 0, 1, keys[1], hadamard=h, signs=signs, native=False)
-    mag = jnp.dot(jnp.abs(aq), jnp.abs(bq), precision=jax.lax.Precision.HIGHEST)
-    tol = (2 * aq.shape[1] + 8) * 2.0**-24 * mag
-    return jnp.max(jnp.abs(c - ref) - tol)
+    return accumulation_excess(c, ref, a, b, g.lhs, g.rhs, *keys, hadamard=g.hadamard or None,
+                               signs=signs)
 
 
 def gemm_close(case: GemmCase, c, ref, a, b, keys, signs) -> tuple[bool, float]:
@@ -395,7 +391,7 @@ def _nbytes(x) -> int:
 
 
 @dataclasses.dataclass
-class _GpuRun:
+class GpuRun:
     """What the GPU mode's sections share: the key, the time budget, the bf16 dot times and
     the names that failed or were skipped."""
 
@@ -424,7 +420,7 @@ class _GpuRun:
             return None
 
 
-def _time_dots(run: _GpuRun) -> None:
+def _time_dots(run: GpuRun) -> None:
     for m, k, n in (PREFILL, DECODE):
         x = jax.random.normal(run.key, (m, k), jnp.bfloat16)
         w = jax.random.normal(run.key, (k, n), jnp.bfloat16)
@@ -440,7 +436,7 @@ def _time_dots(run: _GpuRun) -> None:
         )
 
 
-def _check_quantize(run: _GpuRun) -> None:
+def _check_quantize(run: GpuRun) -> None:
     print("\n-- quantize: bit-exact vs lowbit.quantize (XLA); time vs XLA and vs the bf16 dot")
     key = run.key
     for case in quantize_cases():
@@ -474,7 +470,7 @@ def _check_quantize(run: _GpuRun) -> None:
         )
 
 
-def _check_matmul(run: _GpuRun) -> None:
+def _check_matmul(run: GpuRun) -> None:
     print("\n-- block-scaled matmul: vs dequantize + float32 dot; time vs the bf16 jnp.dot")
     for case in matmul_cases():
         if run.over_budget(case.name):
@@ -507,7 +503,7 @@ def _check_matmul(run: _GpuRun) -> None:
         )
 
 
-def _check_gemms(run: _GpuRun) -> None:
+def _check_gemms(run: GpuRun) -> None:
     print("\n-- quantized_gemm end to end (a recipe's GEMMs): vs the XLA emulation, time vs it")
     for case in gemm_cases():
         if run.over_budget(case.name):
@@ -536,7 +532,7 @@ def _check_gemms(run: _GpuRun) -> None:
 
 def run_gpu(budget_s: float) -> int:
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
-    run = _GpuRun(budget_s)
+    run = GpuRun(budget_s)
     _time_dots(run)
     _check_quantize(run)
     _check_matmul(run)

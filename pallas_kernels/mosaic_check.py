@@ -22,14 +22,11 @@ holding one Mosaic GPU call and no Triton kernel.
 from __future__ import annotations
 
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from lowbit.gemm.implementation import gpu_arch, resolve
-from lowbit.gemm.operand import quantize_operand
 from lowbit.gemm.recipes import QuantSpec
 from pallas_kernels import roofline
 from pallas_kernels._common import (
@@ -42,35 +39,25 @@ from pallas_kernels.quantized_gemm import quantized_gemm
 from pallas_kernels.quantized_gemm.mosaic import (
     FAMILIES,
     family,
+    family_formats,
     kernel,
     kernel_operands,
+    module,
     quantized_gemm_mosaic,
 )
+from pallas_kernels.quantized_gemm.reference import accumulation_excess
 
-__all__ = ["check_gpu", "check_dry", "formats", "gemm_excess"]
+__all__ = ["check_gpu", "check_dry", "gemm_excess"]
 
 DEVICE_KINDS = {"blackwell": "NVIDIA B200", "hopper": "NVIDIA H100 80GB HBM3"}
 ROOFLINES = {"blackwell": (roofline.blackwell_matmul_roofline, roofline.B200),
              "hopper": (roofline.hopper_matmul_roofline, roofline.H200)}
 
 
-def _module(fam: str):
-    return importlib.import_module(FAMILIES[fam][0])
-
-
-def formats(fam: str) -> list[str]:
-    """The formats family ``fam``'s kernel takes (its ``FORMATS``)."""
-    return sorted(_module(fam).FORMATS)
-
-
 @functools.partial(jax.jit, static_argnames="spec")
 def gemm_excess(c, ref, a, b, *, spec: QuantSpec):
-    """max(|C - C_ref| - tol), tol = (2 K + 8) 2**-24 (|A_q| @ |B_q|), ``A_q``, ``B_q`` the
-    operands as the emulation quantizes them (both in ``spec``): <= 0 passes."""
-    aq = quantize_operand(a, spec, 1, 0, None, native=False)
-    bq = quantize_operand(b, spec, 0, 1, None, native=False)
-    mag = jnp.dot(jnp.abs(aq), jnp.abs(bq), precision=lax.Precision.HIGHEST)
-    return jnp.max(jnp.abs(c - ref) - (2 * aq.shape[1] + 8) * 2.0**-24 * mag)
+    """``accumulation_excess`` of both operands in ``spec`` (nearest rounding): <= 0 passes."""
+    return accumulation_excess(c, ref, a, b, spec, spec)
 
 
 def _gemm(spec, implementation):
@@ -85,7 +72,7 @@ def _operands(key, m, k, n):
 
 
 def check_gpu(run, shapes) -> None:
-    """The GPU section (``run``: gpu_check's ``_GpuRun``; ``shapes``: ``(M, K, N)`` pairs
+    """The GPU section (``run``: gpu_check's ``GpuRun``; ``shapes``: ``(M, K, N)`` pairs
     whose bf16 dot ``run.dot_time`` holds)."""
     arch = gpu_arch()
     fam = family(arch)
@@ -103,7 +90,7 @@ def check_gpu(run, shapes) -> None:
     matmul = jax.jit(kernel(fam), static_argnames=("fmt", "out_dtype"))
     for m, k, n in shapes:
         a, b = _operands(run.key, m, k, n)
-        for fmt in formats(fam):
+        for fmt in family_formats(fam):
             name = f"mosaic {fam} {fmt} MKN={(m, k, n)}"
             if run.over_budget(name):
                 continue
@@ -140,13 +127,13 @@ def check_dry(failures: list, dry_check) -> None:
           "Triton)")
     key = jax.random.key(0)
     for fam in sorted(FAMILIES):
-        for fmt in formats(fam):
+        for fmt in family_formats(fam):
 
             def check(fam=fam, fmt=fmt):
                 spec = QuantSpec(fmt)
                 a, b = _operands(key, 40, 96, 72)
                 c = quantized_gemm_mosaic(a, b, None, None, spec_a=spec, spec_b=spec, fam=fam,
-                                          matmul=_module(fam).reference)
+                                          matmul=module(fam).reference)
                 ref = quantized_gemm(a, b, spec, spec, implementation="xla")
                 err = float(gemm_excess(c, ref, a, b, spec=spec))
                 f32 = jax.ShapeDtypeStruct((256, 512), jnp.float32)

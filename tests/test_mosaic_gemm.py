@@ -25,7 +25,6 @@ on a CPU this file checks what can run here:
 from __future__ import annotations
 
 import functools
-import importlib
 import re
 import warnings
 
@@ -44,8 +43,9 @@ from pallas_kernels._common import (
 )
 from pallas_kernels.quantized_gemm import kernel_supports, quantized_gemm
 from pallas_kernels.quantized_gemm.mosaic import (
-    FAMILIES,
     family,
+    kernel,
+    module,
     mosaic_supports,
     quantized_gemm_mosaic,
     tile_multiples,
@@ -80,7 +80,7 @@ class _Wrapper(QuantizedGemmSpec):
     shape = (24, 96, 40)  # M, N off every tile; K = 96 pads to 128 (and NVFP4's to 128 / 96)
 
     def gemm(self, pair, hadamard=None):
-        reference = importlib.import_module(FAMILIES[self.fam][0]).reference
+        reference = module(self.fam).reference
         fn = jax.jit(functools.partial(quantized_gemm_mosaic, spec_a=pair[0], spec_b=pair[1],
                                        fam=self.fam, hadamard=hadamard, matmul=reference))
         return lambda a, b, key_a, key_b, signs: fn(a, b, key_a, key_b, signs=signs)
@@ -122,9 +122,9 @@ def test_tile_multiples_fit_the_kernels(fam, fmt, expected):
     from pallas_kernels.mosaic_common import operand_shapes, positional_matmul
 
     assert tile_multiples(fam, fmt) == expected
-    mod = importlib.import_module(FAMILIES[fam][0])
+    mod = module(fam)
     m, n, k = expected
-    fn = positional_matmul(getattr(mod, FAMILIES[fam][1]), fmt=fmt)
+    fn = positional_matmul(kernel(fam), fmt=fmt)
     specs = lambda k: [jax.ShapeDtypeStruct(s, d)  # noqa: E731
                        for s, d in operand_shapes(mod.FORMATS[fmt], m, n, k)]
     assert jax.eval_shape(fn, *specs(k)).shape == (m, n)
@@ -139,7 +139,7 @@ def test_the_wrapper_pads_with_exact_zeros():
     a = jnp.concatenate([jnp.full((3, 32), 2.0**100), jnp.full((3, 32), 2.0**-100)], axis=1)
     b = jnp.ones((64, 5))
     spec = QuantSpec("mxfp8_e4m3")
-    ref = importlib.import_module(FAMILIES["blackwell"][0]).reference
+    ref = module("blackwell").reference
     c = quantized_gemm_mosaic(a, b, None, None, spec_a=spec, spec_b=spec, fam="blackwell",
                               matmul=ref)
     assert c.shape == (3, 5)
@@ -286,15 +286,15 @@ def test_gpu_checks_mosaic_section_runs_its_course(monkeypatch, capsys):
     kernel; and on a GPU without a Mosaic kernel it says both families are compiled only."""
     from pallas_kernels import gpu_check, mosaic_check
 
-    run = gpu_check._GpuRun(budget_s=600)
+    run = gpu_check.GpuRun(budget_s=600)
     mosaic_check.check_gpu(run, [])
     out = capsys.readouterr().out
     assert "blackwell: compiled only" in out and "hopper: compiled only" in out
     shape = (16, 128, 64)
     run.dot_time[shape] = 1e-3
     monkeypatch.setattr(mosaic_check, "kernel",
-                        lambda fam: importlib.import_module(FAMILIES[fam][0]).reference)
-    monkeypatch.setattr(mosaic_check, "formats", lambda fam: ["mxfp6_e3m2", "nvfp4"])
+                        lambda fam: module(fam).reference)
+    monkeypatch.setattr(mosaic_check, "family_formats", lambda fam: ["mxfp6_e3m2", "nvfp4"])
     monkeypatch.setattr(mosaic_check, "time_fn",  # one call, not gpu_check's 50 timed ones
                         lambda fn, args: (jax.block_until_ready(fn(*args)), 1e-3)[1])
     with jax.sharding.use_abstract_mesh(abstract_gpu_mesh(H100)):

@@ -296,9 +296,15 @@ def prepare_operands(
     f = _wgmma_format(fmt)
     ops = mc.check_operands(a_codes, a_scales, b_codes, b_scales, f,
                             a_tensor_scale=a_tensor_scale, b_tensor_scale=b_tensor_scale)
+    return _operands(ops, f, _elements)
+
+
+def _operands(ops: mc.Operands, f: WgmmaFormat, codes) -> tuple:
+    """``(a, b, a_scales, b_scales, t)`` of checked operands, the codes through ``codes``
+    (:func:`_elements` or :func:`pair_packed`), the scales float32 ``[Kk/32, rows]``."""
     return (
-        _elements(ops.a_codes, f, ops.m, ops.k),
-        _elements(ops.b_codes, f, ops.n, ops.k),
+        codes(ops.a_codes, f, ops.m, ops.k),
+        codes(ops.b_codes, f, ops.n, ops.k),
         _scales_f32(ops.a_scales, f),
         _scales_f32(ops.b_scales, f),
         ops.tensor_scale,
@@ -328,14 +334,7 @@ def kernel_inputs(
             f"k={ops.k} must be a multiple of {f.k_multiple // f.k_pad} for {f.name} (the "
             "kernel reads FP4 codes packed in pairs of blocks of its K)"
         )
-    codes = pair_packed if f.smem_decode else _elements
-    return (
-        codes(ops.a_codes, f, ops.m, ops.k),
-        codes(ops.b_codes, f, ops.n, ops.k),
-        _scales_f32(ops.a_scales, f),
-        _scales_f32(ops.b_scales, f),
-        ops.tensor_scale,
-    )
+    return _operands(ops, f, pair_packed if f.smem_decode else _elements)
 
 
 @dataclasses.dataclass(frozen=True)

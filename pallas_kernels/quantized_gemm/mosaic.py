@@ -62,8 +62,9 @@ from lowbit.core.qarray import undo_prescale
 from lowbit.gemm.operand import quantize_operand
 from lowbit.gemm.recipes import QuantSpec
 
-__all__ = ["FAMILIES", "family", "mosaic_supports", "kernel", "kernel_operands",
-           "quantized_gemm_mosaic", "tile_multiples"]
+__all__ = ["FAMILIES", "family", "module", "family_formats", "mosaic_supports", "kernel",
+           "kernel_operands",
+           "quantized_gemm_mosaic", "tile_multiples", "padded_sizes"]
 
 FAMILIES = {
     "blackwell": ("pallas_kernels.blackwell_matmul", "blackwell_block_scaled_matmul"),
@@ -71,10 +72,20 @@ FAMILIES = {
 }
 """Each Mosaic GPU kernel family: its module and matmul (imported on first use)."""
 
-_FORMATS = {
-    "blackwell": ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4"),
-    "hopper": ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "nvfp4"),
-}
+def module(fam: str):
+    """Family ``fam``'s kernel package (imported on first use)."""
+    if fam not in FAMILIES:
+        raise ValueError(f"fam must be one of {sorted(FAMILIES)}, got {fam!r}")
+    return importlib.import_module(FAMILIES[fam][0])
+
+
+def family_formats(fam: str) -> tuple[str, ...]:
+    """The formats family ``fam``'s kernel takes: its format table's names.
+
+    >>> family_formats("blackwell")
+    ('mxfp4', 'mxfp8_e4m3', 'mxfp8_e5m2', 'nvfp4')
+    """
+    return tuple(sorted(module(fam).FORMATS))
 
 
 def family(arch: tuple[int, int] | None) -> str | None:
@@ -103,16 +114,15 @@ def mosaic_supports(fam: str, spec_a: QuantSpec | None, spec_b: QuantSpec | None
     >>> mosaic_supports("blackwell", QuantSpec("mxfp4"), QuantSpec("mxfp4"))
     (True, '')
     >>> mosaic_supports("blackwell", QuantSpec("mxfp6_e2m3"), QuantSpec("mxfp6_e2m3"))[1]
-    "mxfp6_e2m3: the blackwell kernel takes ('mxfp8_e4m3', 'mxfp8_e5m2', 'mxfp4', 'nvfp4')"
+    "mxfp6_e2m3: the blackwell kernel takes ('mxfp4', 'mxfp8_e4m3', 'mxfp8_e5m2', 'nvfp4')"
     """
-    if fam not in FAMILIES:
-        raise ValueError(f"fam must be one of {sorted(FAMILIES)}, got {fam!r}")
+    formats = family_formats(fam)
     if spec_a is None or spec_b is None:
         return False, "a weight-only GEMM (one operand high precision) runs Triton's float32 path"
     if spec_a.format != spec_b.format:
         return False, f"mixed formats {spec_a.format} x {spec_b.format} (one fmt per kernel)"
-    if spec_a.format not in _FORMATS[fam]:
-        return False, f"{spec_a.format}: the {fam} kernel takes {_FORMATS[fam]}"
+    if spec_a.format not in formats:
+        return False, f"{spec_a.format}: the {fam} kernel takes {formats}"
     return True, ""
 
 
@@ -131,6 +141,17 @@ def tile_multiples(fam: str, fmt: str) -> tuple[int, int, int]:
     return 64, 128, 2 * block if fmt in ("mxfp4", "nvfp4") else block
 
 
+def padded_sizes(fam: str, fmt: str, m: int, k: int, n: int) -> tuple[int, int, int]:
+    """``(M, K, N)`` of a GEMM as family ``fam``'s kernel runs it: each rounded up to its
+    :func:`tile_multiples` (a K that is not whole blocks is padded to them on the way).
+
+    >>> padded_sizes("blackwell", "mxfp4", 16, 96, 8192)
+    (128, 128, 8192)
+    """
+    tm, tn, tk = tile_multiples(fam, fmt)
+    return tuple(math.ceil(x / t) * t for x, t in ((m, tm), (k, tk), (n, tn)))
+
+
 def _pad(codes, scales, rows: int, k: int, bits: int, block: int):
     """Codes ``[r, K * bits / 8]`` and scales ``[r, K / block]`` zero-padded to ``rows`` rows
     and ``k`` elements of K."""
@@ -142,8 +163,7 @@ def _pad(codes, scales, rows: int, k: int, bits: int, block: int):
 
 def kernel(fam: str) -> Callable:
     """Family ``fam``'s matmul (imported on first use)."""
-    module, attr = FAMILIES[fam]
-    return getattr(importlib.import_module(module), attr)
+    return getattr(module(fam), FAMILIES[fam][1])
 
 
 def kernel_operands(a, b, key_a, key_b, *, spec_a: QuantSpec, spec_b: QuantSpec, fam: str,
@@ -155,13 +175,9 @@ def kernel_operands(a, b, key_a, key_b, *, spec_a: QuantSpec, spec_b: QuantSpec,
     qb = quantize_operand(b, spec_b, 0, 1, key_b, packed=True, hadamard=hadamard, signs=signs)
     fmt = spec_a.format
     bits, block = qa.format.elem.bits, qa.block_shape[0]
-    tm, tn, tk = tile_multiples(fam, fmt)
-    k = qa.scales.shape[1] * block  # K as stored (already a multiple of the block)
-    kp = math.ceil(k / tk) * tk
-    a_codes, a_scales = _pad(qa.codes, qa.scales, math.ceil(a.shape[0] / tm) * tm, kp, bits,
-                             block)
-    b_codes, b_scales = _pad(qb.codes, qb.scales, math.ceil(b.shape[1] / tn) * tn, kp, bits,
-                             block)
+    mp, kp, np_ = padded_sizes(fam, fmt, a.shape[0], a.shape[1], b.shape[1])
+    a_codes, a_scales = _pad(qa.codes, qa.scales, mp, kp, bits, block)
+    b_codes, b_scales = _pad(qb.codes, qb.scales, np_, kp, bits, block)
     return dict(a_codes=a_codes, a_scales=a_scales, b_codes=b_codes, b_scales=b_scales, fmt=fmt,
                 a_tensor_scale=qa.tensor_scale, b_tensor_scale=qb.tensor_scale)
 
